@@ -1,0 +1,5 @@
+"""`python -m moespec` runs the CLI."""
+
+from moespec.cli.app import main
+
+main()

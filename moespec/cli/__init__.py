@@ -1,0 +1,1 @@
+"""Command-line interface (Typer). Torch is imported lazily inside commands so --help is instant."""

@@ -1,0 +1,55 @@
+"""What every command shares: the error boundary and the runtime options (defined once)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+
+from moespec.errors import MoespecError
+
+F = TypeVar("F", bound=Callable)
+
+err_console = Console(stderr=True)
+
+
+def handles_errors(fn: F) -> F:
+    """Turn MoespecError into a red message + hint and exit code 2; Ctrl-C into exit 130.
+
+    ``MOESPEC_DEBUG=1`` re-raises so the traceback shows.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MoespecError as exc:
+            if os.environ.get("MOESPEC_DEBUG"):
+                raise
+            err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+            if exc.hint:
+                err_console.print(f"[yellow]hint:[/] {exc.hint}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted; nothing partial was written")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# Options shared by chat, calibrate, profile and train-estimator: defined once, reused.
+GpuMemory = typer.Option(None, "--gpu-memory", help="Device bytes for the expert cache, e.g. 2GiB.")
+CacheExperts = typer.Option(None, "--cache-experts", help="Number of expert slots in the device cache.")
+Device = typer.Option("auto", "--device", help="cpu, cuda or cuda:N; auto picks cuda when present.")
+Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")
+LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
+FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
+Seed = typer.Option(0, "--seed", help="Random seed.")
+
+
+def optional_str(value: Optional[str]) -> Optional[str]:
+    """Typer passes "" for some empty options; treat it as unset."""
+    return value or None

@@ -1,0 +1,101 @@
+"""Runtime configuration: frozen dataclasses and Enums, defaults in one place."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from moespec.errors import OptionError
+
+
+class Predictor(str, enum.Enum):
+    """How the next layer's experts are predicted (design.md, "Predictors")."""
+
+    NONE = "none"  # no prefetch: on-demand loading (the paper's baseline)
+    ROUTER = "router"  # router_{l+1}(LN_{l+1}(r_l)) (Eliseev & Mazur 2023)
+    QUASI = "quasi"  # router_{l+1}(LN_{l+1}(r_l + d_l)) (arXiv 2603.19289, quasi-hidden state)
+    ESTIMATOR = "estimator"  # distilled estimator q_l -> z_{l+1}
+    HYBRID = "hybrid"  # per layer, the best calibrated of the above
+    ORACLE = "oracle"  # true routing replayed from a recorded trace (profile only)
+
+
+class ExecuteMode(str, enum.Enum):
+    """What runs at layer l+1 when the prediction was wrong (design.md, "Execution")."""
+
+    EXACT = "exact"  # true router; missing experts fetched synchronously
+    SPECULATIVE = "speculative"  # predicted experts with predicted weights (the paper)
+    GUARDED = "guarded"  # true router; fetch a miss only if its weight >= fetch_threshold
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MB`` or ``1000000`` into bytes.
+
+    Raises:
+        OptionError: the text is not a size (names the value and the flag ``--gpu-memory``).
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise OptionError(f"--gpu-memory {text!r} is not a size", "write it like 2GiB, 512MiB or 3GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything the offloading runtime needs to know, passed explicitly.
+
+    Attributes:
+        device: "cpu", "cuda" or "cuda:N"; dense parts and the expert cache live there.
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        gpu_memory_bytes: device bytes for expert slots (``--gpu-memory``); None = use cache_experts.
+        cache_experts: number of expert slots (``--cache-experts``); None with gpu_memory_bytes None
+            means every expert fits (no offloading pressure).
+        predictor: how the next layer's experts are predicted.
+        execute: what runs on a wrong prediction.
+        fetch_threshold: τ of the guarded mode, in renormalised gate weight (0 = exact, >1 never fetch).
+        link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
+        calibration_path: calibration file for the quasi predictor (None = look next to the model).
+    """
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    gpu_memory_bytes: int | None = None
+    cache_experts: int | None = None
+    predictor: Predictor = Predictor.ROUTER
+    execute: ExecuteMode = ExecuteMode.EXACT
+    fetch_threshold: float = 0.1
+    link_gbps: float | None = None
+    calibration_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_experts is not None and self.cache_experts < 1:
+            raise OptionError(f"--cache-experts {self.cache_experts} must be at least 1")
+        if self.link_gbps is not None and self.link_gbps <= 0:
+            raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
+        if self.fetch_threshold < 0:
+            raise OptionError(f"--fetch-threshold {self.fetch_threshold} must be >= 0")
+        if self.predictor == Predictor.ORACLE:
+            raise OptionError("--predictor oracle replays a recorded trace", "use it in `moespec profile`")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Token sampling: greedy when temperature == 0, else temperature + nucleus (top-p)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise OptionError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise OptionError(f"--temperature {self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise OptionError(f"--top-p {self.top_p} must be in (0, 1]")

@@ -1,0 +1,1 @@
+"""Model resolution and download through the Hugging Face Hub cache."""
