@@ -1,0 +1,42 @@
+"""Turning shared CLI options into a RuntimeConfig (one place for every command)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, TypeVar
+
+from moespec.config import ExecuteMode, Predictor, RuntimeConfig, parse_bytes
+from moespec.errors import OptionError
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def enum_option(kind: type[E], value: str, flag: str) -> E:
+    """Parse ``value`` into the Enum ``kind``.
+
+    Raises:
+        OptionError: names the value, the flag and the valid choices.
+    """
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise OptionError(f"{flag} {value!r} is not valid", f"choose one of: {choices}") from None
+
+
+def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
+                         predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
+                         link_gbps: Optional[float], calibration: Optional[str] = None) -> RuntimeConfig:
+    """A RuntimeConfig from CLI values (sizes parsed, enums checked).
+
+    Raises:
+        OptionError: both --gpu-memory and --cache-experts, or a malformed value.
+    """
+    if gpu_memory is not None and cache_experts is not None:
+        raise OptionError("--gpu-memory and --cache-experts both given", "pass only one of them")
+    return RuntimeConfig(
+        device=device, dtype=dtype,
+        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
+        cache_experts=cache_experts, predictor=predictor, execute=execute,
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
+    )

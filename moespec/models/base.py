@@ -1,0 +1,158 @@
+"""The adapter interface and the default (Mixtral/Qwen-style) behaviour.
+
+Shapes: T tokens, E experts, K top-k, H hidden, I expert intermediate.
+
+Experts in memory follow transformers 5's fused layout: gate_up_proj [E, 2I, H] (gate rows
+first, then up rows: "halves") and down_proj [E, H, I]. On disk most checkpoints keep one tensor
+per expert and projection; the adapter maps disk names to (layer, expert, part).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Parts of an expert as stored on disk. "gate_up"/"down" with expert None are fused [E, ...] tensors.
+PARTS = ("gate", "up", "down", "gate_up")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A routing decision for T tokens.
+
+    Attributes:
+        ids: [T, K] int64 expert ids.
+        weights: [T, K] gate weights (the dtype the architecture multiplies expert outputs with).
+        logits: [T, E] router logits, or None when the routing was replayed or speculated without them.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ExpertKey:
+    """Where a checkpoint tensor belongs in the expert store.
+
+    Attributes:
+        layer: decoder layer index.
+        expert: expert id, or None for a fused [E, ...] tensor.
+        part: one of PARTS.
+    """
+
+    layer: int
+    expert: int | None
+    part: str
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Packed layout of one expert in the host store: [gate_up (2I*H) | down (H*I)].
+
+    Attributes:
+        hidden: H.
+        intermediate: I (per expert).
+    """
+
+    hidden: int
+    intermediate: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of one packed expert: 2*I*H + H*I."""
+        return 3 * self.hidden * self.intermediate
+
+    def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a packed expert: gate_up [2I, H] and down [H, I] (no copy)."""
+        h, i = self.hidden, self.intermediate
+        return flat[: 2 * i * h].view(2 * i, h), flat[2 * i * h :].view(h, i)
+
+
+class MoeAdapter:
+    """Default adapter: softmax -> top-k (-> renormalise) routers, SwiGLU experts, no shared expert.
+
+    Subclasses set ``model_types`` and override only what differs.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # On-disk names of the per-expert projections, mapped to store parts.
+    disk_part_names: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    # Regex fragment of the MoE block's attribute name on disk (before renaming).
+    disk_block_pattern: ClassVar[str] = r"mlp"
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    # --- shape facts -------------------------------------------------------------------
+    def num_experts(self) -> int:
+        """E: routed experts per MoE layer."""
+        return int(getattr(self.config, "num_experts", None) or self.config.num_local_experts)
+
+    def top_k(self) -> int:
+        """K: experts per token."""
+        return int(self.config.num_experts_per_tok)
+
+    def expert_intermediate(self) -> int:
+        """I: intermediate size of one routed expert."""
+        return int(getattr(self.config, "moe_intermediate_size", None) or self.config.intermediate_size)
+
+    def layout(self) -> ExpertLayout:
+        """The packed layout of one expert."""
+        return ExpertLayout(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate())
+
+    def is_moe_block(self, module: nn.Module) -> bool:
+        """True when ``module`` (a decoder layer's mlp) is a sparse MoE block."""
+        return hasattr(module, "experts") and hasattr(module, "gate")
+
+    # --- routing -------------------------------------------------------------------------
+    def route(self, block: nn.Module, hidden: torch.Tensor) -> Routing:
+        """True routing of ``block`` for router input ``hidden`` [T, H]: runs the model's own router."""
+        logits, weights, ids = block.gate(hidden)
+        return Routing(ids=ids, weights=weights, logits=logits)
+
+    def select(self, block: nn.Module, logits: torch.Tensor) -> Routing:
+        """Routing from logits [T, E] by this family's rule (softmax in fp32, top-k, renormalise).
+
+        Used by predictors, which produce logits for a layer without running it.
+        """
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        top, ids = torch.topk(probs, self.top_k(), dim=-1)  # [T, K]
+        if getattr(self.config, "norm_topk_prob", True):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return Routing(ids=ids, weights=self.cast_weights(top, logits), logits=logits)
+
+    def cast_weights(self, weights: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Cast gate weights as the family's router does (Qwen/OLMoE: to the logits dtype)."""
+        return weights.to(logits.dtype)
+
+    def router_logits(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] of ``block`` for input [T, H] (the linear map H -> E)."""
+        return F.linear(hidden, block.gate.weight)
+
+    def shared_output(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Output [T, H] of the resident shared expert(s), or None when the family has none."""
+        return None
+
+    # --- checkpoint names -------------------------------------------------------------------
+    def expert_key(self, name: str) -> ExpertKey | None:
+        """Map a checkpoint tensor name to its place in the expert store, or None for a dense tensor."""
+        parts = "|".join(map(re.escape, self.disk_part_names))
+        m = re.fullmatch(
+            rf"(?:model\.)?layers\.(\d+)\.{self.disk_block_pattern}\.experts\.(\d+)\.({parts})\.weight", name
+        )
+        if m:
+            return ExpertKey(int(m.group(1)), int(m.group(2)), self.disk_part_names[m.group(3)])
+        m = re.fullmatch(rf"(?:model\.)?layers\.(\d+)\.{self.disk_block_pattern}\.experts\.(gate_up_proj|down_proj)", name)
+        if m:
+            return ExpertKey(int(m.group(1)), None, "gate_up" if m.group(2) == "gate_up_proj" else "down")
+        return None
+
+    def dense_name(self, name: str) -> str:
+        """The in-memory parameter name of a dense checkpoint tensor."""
+        return name

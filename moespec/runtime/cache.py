@@ -1,0 +1,160 @@
+"""ExpertCache: a fixed pool of device slots holding packed experts, LRU eviction.
+
+Shapes: S slots, P packed elements per expert.
+
+A slot is pinned (never evicted) while the running layer uses it or while it holds a prefetch
+whose target layer has not run yet; unpinned slots sit in an LRU order (empty slots first).
+Copies go through the TransferEngine; the compute side waits on exactly the slot it reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from moespec.runtime.store import ExpertStore
+from moespec.runtime.transfer import Span, Ticket, TransferEngine
+
+Key = tuple[int, int]  # (decoder layer index, expert id)
+
+
+@dataclass
+class Acquired:
+    """Result of acquiring an expert for compute.
+
+    Attributes:
+        slot: slot index.
+        hit: the expert was resident (or already in flight) before this request.
+        prefetched: it was there because a prefetch brought it and this is its first use.
+    """
+
+    slot: int
+    hit: bool
+    prefetched: bool
+
+
+class ExpertCache:
+    """Device-side expert slots over an ExpertStore.
+
+    Args:
+        store: host store of packed experts.
+        num_slots: S, number of device slots.
+        device: where the slots live.
+        engine: transfer engine that performs the copies.
+    """
+
+    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device, engine: TransferEngine) -> None:
+        self.store = store
+        self.engine = engine
+        self.num_slots = num_slots
+        self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
+        self._where: dict[Key, int] = {}
+        self._key: list[Key | None] = [None] * num_slots
+        self._pins = [0] * num_slots
+        self._ticket: list[Ticket | None] = [None] * num_slots
+        self._from_prefetch = [False] * num_slots
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self._by_layer: dict[int, set[int]] = {}  # layer -> resident expert ids (for the guard)
+        self.copies = 0  # copies issued (demand + prefetch)
+
+    # --- queries -------------------------------------------------------------------------
+    def resident(self, key: Key) -> bool:
+        """True when ``key`` is in a slot (its copy may still be in flight)."""
+        return key in self._where
+
+    def resident_keys(self) -> list[Key]:
+        """Keys currently held in slots."""
+        return list(self._where)
+
+    def resident_experts(self, layer: int) -> set[int]:
+        """Expert ids of ``layer`` currently held in slots."""
+        return self._by_layer.get(layer, set())
+
+    def key_of(self, slot: int) -> Key | None:
+        """The key held in ``slot``."""
+        return self._key[slot]
+
+    def evictable(self) -> int:
+        """Number of slots that a new copy could take now."""
+        return len(self._lru)
+
+    def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [2I, H] and down [H, I] views of ``slot``."""
+        return self.store.layout.unpack(self.slots[slot])
+
+    # --- pinning -------------------------------------------------------------------------
+    def _pin(self, slot: int) -> None:
+        self._pins[slot] += 1
+        self._lru.pop(slot, None)
+
+    def release(self, slot: int) -> None:
+        """Drop one pin of ``slot``; at zero it becomes evictable (most recently used)."""
+        assert self._pins[slot] > 0, f"slot {slot} released more often than pinned"
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self.engine.slot_released(slot)
+            self._lru[slot] = None
+
+    def _load(self, key: Key) -> int | None:
+        """Evict the least recently used unpinned slot and start copying ``key`` into it."""
+        if not self._lru:
+            return None
+        slot, _ = self._lru.popitem(last=False)
+        old = self._key[slot]
+        if old is not None:
+            del self._where[old]
+            self._by_layer[old[0]].discard(old[1])
+        self._key[slot] = key
+        self._where[key] = slot
+        self._by_layer.setdefault(key[0], set()).add(key[1])
+        self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot)
+        self.copies += 1
+        self._pins[slot] = 1
+        return slot
+
+    # --- the two ways in -------------------------------------------------------------------
+    def acquire(self, key: Key) -> Acquired | None:
+        """Pin ``key`` for compute, starting its copy on a miss.
+
+        Returns None when it is not resident and every slot is pinned (the caller computes what it
+        holds, releases, and asks again).
+        """
+        slot = self._where.get(key)
+        if slot is not None:
+            self._pin(slot)
+            prefetched = self._from_prefetch[slot]
+            self._from_prefetch[slot] = False
+            return Acquired(slot, hit=True, prefetched=prefetched)
+        slot = self._load(key)
+        return None if slot is None else Acquired(slot, hit=False, prefetched=False)
+
+    def prefetch(self, key: Key) -> tuple[int, bool] | None:
+        """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no room).
+
+        The pin protects the slot until the caller releases it after the target layer ran.
+        """
+        slot = self._where.get(key)
+        if slot is not None:
+            self._pin(slot)
+            return slot, False
+        slot = self._load(key)
+        if slot is None:
+            return None
+        self._from_prefetch[slot] = True
+        return slot, True
+
+    def unused_prefetch(self, slot: int) -> bool:
+        """True when ``slot`` was filled by a prefetch that no compute has used; clears the mark."""
+        was = self._from_prefetch[slot]
+        self._from_prefetch[slot] = False
+        return was
+
+    def wait(self, slot: int) -> Span | None:
+        """Make compute wait for the copy into ``slot``; returns the stall span or None if none pending."""
+        ticket = self._ticket[slot]
+        if ticket is None:
+            return None
+        self._ticket[slot] = None
+        return self.engine.wait(ticket)

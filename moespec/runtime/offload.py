@@ -1,0 +1,258 @@
+"""OffloadedModel: a transformers MoE model whose experts live in the host store.
+
+Loading builds the model skeleton with empty (meta) weights, swaps every sparse MoE block of
+this instance for an OffloadedMoeBlock, then reads the checkpoint tensor by tensor: expert
+tensors go into the packed host store, everything else (embeddings, attention, norms, routers,
+shared experts, lm_head) onto the device. Peak host memory is about the checkpoint size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moespec.config import Predictor, RuntimeConfig
+from moespec.errors import BudgetError, CheckpointError, DeviceError, OptionError
+from moespec.models import adapter_for
+from moespec.models.base import MoeAdapter
+from moespec.predict.base import LayerRef, NextLayerPredictor, NoPredictor, RouterPredictor
+from moespec.runtime.cache import ExpertCache
+from moespec.runtime.checkpoint import iter_tensors, safetensors_files
+from moespec.runtime.moe_layer import MoeLayerRunner
+from moespec.runtime.stats import NullRecorder, StatsRecorder
+from moespec.runtime.store import ExpertStore
+from moespec.runtime.transfer import make_transfer_engine
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class OffloadedMoeBlock(nn.Module):
+    """Replaces one sparse MoE block of a model instance; returns a tensor [B, S, H] as the original.
+
+    Keeps the original's router (``gate``) and shared parts under their original names, so the
+    checkpoint's dense tensor names still apply; the experts live in the host store instead.
+    """
+
+    def __init__(self, original: nn.Module, layer: int, runner: MoeLayerRunner) -> None:
+        super().__init__()
+        for name, child in original.named_children():
+            if name != "experts":
+                self.add_module(name, child)
+        self.layer = layer
+        self.act_fn = original.experts.act_fn
+        self._runner = [runner]  # in a list: not a submodule, not in state_dict
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [B, S, H] (router input s_l) -> MoE output [B, S, H]."""
+        shape = hidden_states.shape
+        out = self._runner[0].run(self, hidden_states.reshape(-1, shape[-1]))  # [T, H]
+        return out.reshape(shape)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu.
+
+    Raises:
+        DeviceError: cuda requested on a machine without CUDA.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise DeviceError(f"--device {name!r} is not a device", "use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {name} was requested but this machine has no CUDA device",
+                          "use --device cpu (optionally with --link-gbps to emulate a PCIe link)")
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"--device {name} is not supported", "use cpu, cuda or cuda:N")
+    return dev
+
+
+def resolve_dtype(name: str, config) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype (float32 when it names none).
+
+    Raises:
+        OptionError: an unknown dtype name.
+    """
+    if name == "auto":
+        dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(dt, str):
+            dt = _DTYPES.get(dt, torch.float32)
+        return dt if isinstance(dt, torch.dtype) else torch.float32
+    if name not in _DTYPES:
+        raise OptionError(f"--dtype {name!r} is not supported", f"use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def min_slots(top_k: int, predictor: Predictor) -> int:
+    """Fewest cache slots that work: K for the running layer (+ K prefetch slots when predicting)."""
+    return top_k * (1 if predictor == Predictor.NONE else 2)
+
+
+def num_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, expert_bytes: int) -> int:
+    """Slots from --cache-experts or --gpu-memory (default: every expert fits).
+
+    Raises:
+        BudgetError: below the minimum (states it, in experts and bytes).
+    """
+    need = min_slots(top_k, cfg.predictor)
+    if cfg.cache_experts is not None:
+        slots, asked = cfg.cache_experts, f"--cache-experts {cfg.cache_experts}"
+    elif cfg.gpu_memory_bytes is not None:
+        slots = cfg.gpu_memory_bytes // expert_bytes
+        asked = f"--gpu-memory {cfg.gpu_memory_bytes} bytes ({slots} experts of {expert_bytes} bytes)"
+    else:
+        return total_experts
+    if slots < need:
+        why = "K experts of the running layer" + ("" if cfg.predictor == Predictor.NONE else " + K prefetch slots")
+        raise BudgetError(f"{asked} is below the minimum of {need} experts ({need * expert_bytes} bytes: {why})",
+                          f"use --cache-experts {need} or --gpu-memory {need * expert_bytes} or more")
+    return min(slots, total_experts)
+
+
+@dataclass
+class OffloadedModel:
+    """A loaded model and its offloading runtime.
+
+    Attributes:
+        model: the transformers CausalLM (dense parts on ``device``, MoE blocks offloaded).
+        config: its transformers config.
+        adapter, store, cache, runner: the runtime parts.
+        device, dtype: where and how dense parts and slots live.
+        path: the checkpoint folder.
+    """
+
+    model: nn.Module
+    config: object
+    adapter: MoeAdapter
+    store: ExpertStore
+    cache: ExpertCache
+    runner: MoeLayerRunner
+    device: torch.device
+    dtype: torch.dtype
+    path: Path
+    runtime_config: RuntimeConfig
+
+    @property
+    def recorder(self) -> StatsRecorder:
+        """The stats recorder in use."""
+        return self.runner.recorder
+
+    def set_recorder(self, recorder: StatsRecorder) -> None:
+        """Swap the stats recorder (NullRecorder to stop recording)."""
+        self.runner.recorder = recorder
+
+    def max_context(self) -> int:
+        """The model's context length in tokens."""
+        return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
+
+    def close(self) -> None:
+        """Stop the transfer worker."""
+        self.cache.engine.close()
+
+
+def _moe_layers(model: nn.Module, adapter: MoeAdapter) -> list[int]:
+    return [i for i, layer in enumerate(model.model.layers) if adapter.is_moe_block(layer.mlp)]
+
+
+def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
+                   model_path: Path) -> NextLayerPredictor:
+    """The predictor named by ``--predictor``.
+
+    Raises:
+        OptionError: a predictor that this build cannot make (names the command that provides it).
+    """
+    if kind == Predictor.NONE:
+        return NoPredictor(adapter, refs)
+    if kind == Predictor.ROUTER:
+        return RouterPredictor(adapter, refs)
+    try:
+        from moespec.predict.factory import make_calibrated_predictor
+    except ModuleNotFoundError:
+        raise OptionError(f"--predictor {kind.value} is not available in this build",
+                          "use --predictor router or none") from None
+    return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
+
+
+def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder | None = None) -> OffloadedModel:
+    """Load the checkpoint folder ``path`` for offloaded inference.
+
+    Raises:
+        ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError, OptionError.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    files = safetensors_files(path)
+    device = resolve_device(cfg.device)
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    dtype = resolve_dtype(cfg.dtype, config)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    moe_layers = _moe_layers(model, adapter)
+
+    store = ExpertStore(moe_layers, adapter.num_experts(), adapter.layout(), dtype, pin=device.type == "cuda")
+    slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), store.expert_bytes)
+    engine = make_transfer_engine(device, slots, cfg.link_gbps)
+    cache = ExpertCache(store, slots, device, engine)
+    recorder = recorder or NullRecorder()
+    runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
+
+    refs = []
+    for i in moe_layers:
+        layer = model.model.layers[i]
+        layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner)
+        # r_l is the input of the post-attention norm: capture it for the predictors.
+        layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
+        refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
+
+    _load_weights(model, adapter, store, files, device, dtype)
+    runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
+    return OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg)
+
+
+def _residual_hook(runner: MoeLayerRunner, layer: int):
+    def hook(module, args):
+        runner.residual[layer] = args[0]
+
+    return hook
+
+
+def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, files: list[Path],
+                  device: torch.device, dtype: torch.dtype) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for name, tensor, file in iter_tensors(files):
+        key = adapter.expert_key(name)
+        if key is not None:
+            store.write(key.layer, key.expert, key.part, tensor, name)
+            continue
+        target = adapter.dense_name(name)
+        if target not in params and target not in buffers:
+            continue  # e.g. rotary inv_freq saved by old exports; transformers ignores these too
+        want = params[target].shape if target in params else buffers[target].shape
+        if tuple(tensor.shape) != tuple(want):
+            raise CheckpointError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+        set_module_tensor_to_device(model, target, device, value=tensor, dtype=dtype)
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}",
+                              "the download is incomplete or the config does not match the weights")
+    gaps = store.missing()
+    if gaps:
+        raise CheckpointError(f"the checkpoint lacks {len(gaps)} expert tensor(s), e.g. {', '.join(gaps[:3])}",
+                              "the download is incomplete or the config does not match the weights")
+    for name, buf in list(model.named_buffers()):
+        if buf.device != device:
+            set_module_tensor_to_device(model, name, device, value=buf)
