@@ -1,0 +1,219 @@
+"""`moespec download` and `moespec models`: thin commands over moespec.hub.
+
+Each builds its arguments, calls one library function and renders the result; torch is never
+imported here and huggingface_hub only inside the command bodies, so `moespec --help` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from moespec.cli.common import handles_errors, optional_str
+from moespec.errors import OptionError
+
+DOWNLOAD_HELP = """Fetch a MoE checkpoint from the Hugging Face Hub into the local Hub cache.
+
+Only what moespec runs is fetched: config.json, *.safetensors (+ index), tokenizer files, chat
+template, license and README; .bin, GGUF and other copies of the weights are skipped. Before any
+weight moves, config.json is read and an architecture moespec cannot run is refused (--force to
+fetch it anyway). Re-running after an interruption fetches only the missing files. Prints where
+the model is, its size split into experts and dense part, and the bytes per decode token that
+cross the host-to-device link when no expert is cached.
+
+[b]Examples[/b]
+
+  moespec download Qwen/Qwen3-30B-A3B
+
+  moespec download allenai/OLMoE-1B-7B-0924 --revision main --local-dir ./olmoe
+
+  HF_TOKEN=hf_... moespec download mistralai/Mixtral-8x7B-Instruct-v0.1
+
+  moespec download --default     (build the small embedded model; no network)
+"""
+
+MODELS_HELP = """List the models on this machine: the local Hub cache and models moespec built.
+
+Shows architecture, size on disk, bytes of all experts, the zero-cache host-to-device bytes per
+decode token, and whether a calibration and an estimator file exist. Never uses the network.
+
+[b]Examples[/b]
+
+  moespec models
+
+  moespec models --json | jq '.[].model_id'
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `download` and `models` commands to ``app``."""
+    app.command("download", help=DOWNLOAD_HELP)(download)
+    app.command("models", help=MODELS_HELP)(models)
+
+
+@handles_errors
+def download(
+    model: Optional[str] = typer.Argument(None, help="Hub id, e.g. Qwen/Qwen3-30B-A3B.", show_default=False),
+    revision: Optional[str] = typer.Option(None, "--revision", "-r", help="Branch, tag or commit (default: main)."),
+    token: Optional[str] = typer.Option(
+        None, "--token", envvar="HF_TOKEN", help="Hub token for gated or private repos (default: HF_TOKEN or `hf auth login`).",
+        show_default=False,
+    ),
+    local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Put the files in this folder instead of the Hub cache."),
+    force: bool = typer.Option(False, "--force", help="Download even if moespec cannot run this architecture yet."),
+    default: bool = typer.Option(False, "--default", help="Build the embedded default model instead (no network)."),
+) -> None:
+    console = Console(highlight=False, soft_wrap=True)
+    model, revision, token = optional_str(model), optional_str(revision), optional_str(token)
+    if default:
+        if model:
+            raise OptionError(f"pass either MODEL ({model}) or --default, not both", "drop one of them")
+        _build_default(console)
+        return
+    if not model:
+        raise OptionError("no MODEL given", "pass a Hub id, e.g. `moespec download Qwen/Qwen3-30B-A3B`, or --default")
+
+    from moespec.hub.download import plan_download
+    from moespec.hub.errors import hub_endpoint, hub_offline
+
+    if hub_offline():  # nothing to fetch: succeed if the cache has it, else say why not (no network call)
+        from moespec.hub.resolve import resolve_model
+
+        folder = resolve_model(model, revision)
+        console.print(f"{model} is in the local cache (HF_HUB_OFFLINE is set, so it was not checked for updates):")
+        console.print(f"  {folder}")
+        return
+    console.print(f"Resolving [bold]{model}[/] ({revision or 'main'}) on {hub_endpoint()} ...")
+    plan = plan_download(model, revision=revision, token=token, force=force, local_dir=local_dir)
+    _print_plan(console, plan)
+    folder = _fetch_with_progress(console, plan, token)
+    _print_result(console, plan, folder)
+
+
+def _build_default(console: Console) -> None:
+    try:
+        from moespec.default_model import ensure_default_model
+    except ImportError as exc:  # the module, or its ensure_default_model, is not in this build yet
+        if exc.name != "moespec.default_model":
+            raise
+        raise OptionError("this moespec build has no embedded default model yet", "download a model by Hub id") from exc
+    path = ensure_default_model(console)
+    if path is not None:
+        console.print(f"default model ready at {path}")
+
+
+def _print_plan(console: Console, plan) -> None:
+    from moespec.hub.sizes import format_bytes
+    from moespec.hub.support import SUPPORTED_MODEL_TYPES
+
+    arch = ", ".join(plan.config.get("architectures") or []) or "?"
+    model_type = plan.config.get("model_type", "?")
+    dtype = plan.sizes.dtype if plan.sizes else plan.config.get("dtype") or plan.config.get("torch_dtype") or "?"
+    console.print(f"  commit {plan.commit[:12]} · {model_type} ({arch}) · {dtype}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        console.print(f"  [yellow]warning:[/] moespec cannot run {model_type!r} yet; downloading anyway (--force)")
+    n_fetch, n_cached = len(plan.to_fetch), len(plan.cached)
+    cached = f" ({n_cached} already on disk)" if n_cached else ""
+    console.print(f"  {n_fetch} of {len(plan.files.wanted)} files to fetch, {format_bytes(plan.fetch_bytes)}{cached}")
+    if plan.files.skipped:
+        shown = ", ".join(plan.files.skipped[:4]) + (" ..." if len(plan.files.skipped) > 4 else "")
+        console.print(f"  skipping {len(plan.files.skipped)} file(s) moespec does not use: {shown}")
+
+
+def _fetch_with_progress(console: Console, plan, token: Optional[str]) -> Path:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from moespec.hub.download import download_model
+
+    columns = (TextColumn("  downloading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TextColumn("ETA"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("download", total=max(plan.fetch_bytes, 1) if plan.to_fetch else 1)
+        folder = download_model(plan, token=token, on_bytes=lambda done: progress.update(task, completed=done))
+        progress.update(task, completed=max(plan.fetch_bytes, 1))
+    return folder
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _print_result(console: Console, plan, folder: Path) -> None:
+    from moespec.hub.sizes import format_bytes
+
+    console.print(f"[green]done:[/] {plan.repo_id} @ {plan.commit[:12]} is in")
+    console.print(f"  {folder}", soft_wrap=True)
+    rows = [("on disk", f"{format_bytes(plan.total_bytes)} in {len(plan.files.wanted)} files")]
+    s = plan.sizes
+    if s is not None:
+        p = s.params
+        rows += [
+            ("parameters", f"{p.total_params:,} ({s.dtype}, {s.bytes_per_param} bytes each)"),
+            ("experts", f"{format_bytes(s.experts_bytes)} = {_plural(p.num_moe_layers, 'MoE layer')} × {p.num_experts} experts × "
+                        f"{format_bytes(s.expert_bytes)}  (host memory)"),
+            ("dense part", f"{format_bytes(s.dense_bytes)}  (attention, embeddings, routers, norms: on the device)"),
+            ("H2D / token", f"{format_bytes(s.zero_cache_h2d_bytes_per_token)} = {_plural(p.num_moe_layers, 'layer')} × "
+                            f"top-{p.top_k} × {format_bytes(s.expert_bytes)}  (decode with no expert cached)"),
+        ]
+    for label, text in rows:
+        console.print(f"  {label:<12} {text}")
+    # Another revision than main is reached by its folder (commands take MODEL, not --revision).
+    target = plan.repo_id if plan.local_dir is None and plan.revision == "main" else str(folder)
+    console.print(f"next: moespec chat {target}")
+
+
+@handles_errors
+def models(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON list instead of a table."),
+) -> None:
+    from moespec.hub.listing import list_local_models
+    from moespec.hub.resolve import hub_cache_dir
+    from moespec.hub.sizes import format_bytes
+
+    found = list_local_models()
+    console = Console(highlight=False)
+    if as_json:
+        typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
+        return
+    if not found:
+        console.print(f"no models in {hub_cache_dir()}")
+        console.print("get one with `moespec download Qwen/Qwen3-30B-A3B` (or `moespec download --default`)")
+        return
+    table = Table(title=f"models in {hub_cache_dir()}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("model", overflow="fold", min_width=min(40, max(len(m.model_id) for m in found)))
+    table.add_column("rev", overflow="fold")
+    table.add_column("arch", no_wrap=True)
+    for col in ("size", "experts", "H2D/tok"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("calib", no_wrap=True)
+    table.add_column("estim", no_wrap=True)
+    for m in found:
+        s = m.sizes
+        rev = ",".join(m.refs) or m.commit[:8] or "-"
+        arch = m.model_type or "?"
+        if m.status != "ok":
+            arch += f" [red]({m.status})[/]"
+        table.add_row(
+            m.model_id, rev, arch, format_bytes(m.disk_bytes),
+            format_bytes(s.experts_bytes) if s else "-", format_bytes(s.zero_cache_h2d_bytes_per_token) if s else "-",
+            "yes" if m.has_calibration else "no", "yes" if m.has_estimator else "no",
+        )
+    console.print(table)
+
+
+def _model_json(m) -> dict:
+    s = m.sizes
+    return {
+        "model_id": m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
+        "model_type": m.model_type, "status": m.status, "runnable": m.runnable, "disk_bytes": m.disk_bytes,
+        "experts_bytes": s.experts_bytes if s else None, "dense_bytes": s.dense_bytes if s else None,
+        "expert_bytes": s.expert_bytes if s else None,
+        "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
+        "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
+    }

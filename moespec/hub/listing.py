@@ -1,0 +1,135 @@
+"""What `moespec models` shows: the MoE checkpoints on this machine and what moespec derived from them.
+
+Reads the local Hub cache (``scan_cache_dir``, no network) and the folders moespec built itself
+(``moespec_home()/models``); for each model: architecture, bytes on disk, the config-derived size
+breakdown, and whether a calibration and an estimator file exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from moespec.hub.artifacts import CALIBRATION_BESIDE_MODEL, calibration_path, estimator_path
+from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
+from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
+from moespec.hub.support import SUPPORTED_MODEL_TYPES
+from moespec.errors import CheckpointError, UnsupportedModelError
+from moespec.paths import models_dir
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """One model found on this machine.
+
+    Attributes:
+        model_id: the Hub id, or the folder path for models moespec built.
+        source: "hub" (Hub cache) or "moespec" (built by moespec, e.g. the default model).
+        refs: branches/tags pointing at this snapshot (Hub models), e.g. ("main",).
+        commit: the snapshot's commit hash ("" for built models).
+        path: the folder holding config.json.
+        model_type: config.json's model_type ("" when unreadable).
+        disk_bytes: bytes of the files on disk.
+        sizes: config-derived size breakdown; None when the model_type has no size rule.
+        status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
+            (no safetensors weights or missing shards, e.g. an interrupted download).
+        has_calibration / has_estimator: the artifact files exist (moespec.hub.artifacts).
+    """
+
+    model_id: str
+    source: str
+    refs: tuple[str, ...]
+    commit: str
+    path: Path
+    model_type: str
+    disk_bytes: int
+    sizes: ModelSizes | None
+    status: str
+    has_calibration: bool
+    has_estimator: bool
+
+    @property
+    def runnable(self) -> bool:
+        return self.status == "ok"
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _sizes_or_none(config: dict, model_type: str) -> ModelSizes | None:
+    if model_type not in sized_model_types():
+        return None
+    try:
+        return model_sizes(config)
+    except UnsupportedModelError:  # a config missing a field: list the model without sizes
+        return None
+
+
+def _describe(model_id: str, source: str, refs: tuple[str, ...], commit: str, folder: Path, disk_bytes: int) -> LocalModel:
+    config = _read_config(folder)
+    model_type = str(config.get("model_type") or "")
+    try:
+        check_local_checkpoint(folder, model_id)
+        status = "ok" if model_type in SUPPORTED_MODEL_TYPES else "unsupported"
+    except CheckpointError:
+        status = "incomplete"
+    return LocalModel(
+        model_id=model_id,
+        source=source,
+        refs=refs,
+        commit=commit,
+        path=folder,
+        model_type=model_type,
+        disk_bytes=disk_bytes,
+        sizes=_sizes_or_none(config, model_type),
+        status=status,
+        has_calibration=calibration_path(model_id).is_file() or (folder / CALIBRATION_BESIDE_MODEL).is_file(),
+        has_estimator=estimator_path(model_id).is_file(),
+    )
+
+
+def _hub_models(cache_dir: Path) -> list[LocalModel]:
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return []
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model":
+            continue
+        for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
+            if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():
+                continue  # not a transformers model (or config not downloaded)
+            refs = tuple(sorted(rev.refs))
+            out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
+    return out
+
+
+def _built_models(root: Path) -> list[LocalModel]:
+    if not root.is_dir():
+        return []
+    out = []
+    for folder in sorted(p for p in root.iterdir() if (p / CONFIG_FILE).is_file()):
+        disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        out.append(_describe(os.path.abspath(folder), "moespec", (), "", folder, disk))
+    return out
+
+
+def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
+    """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder.
+
+    Hub models come first, sorted by id; a repo with several cached revisions gives one entry each.
+    Never touches the network.
+    """
+    from moespec.hub.resolve import hub_cache_dir
+
+    return _hub_models(cache_dir or hub_cache_dir()) + _built_models(models_dir())

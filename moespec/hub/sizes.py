@@ -1,0 +1,221 @@
+"""How big a Mixture-of-Experts checkpoint is, split into experts and the dense rest, from config.json alone.
+
+Counts parameters per family (one small function each, registered in ``_FAMILIES``), then turns
+them into bytes with the checkpoint's dtype. The number that bounds offloaded decoding is the
+zero-cache H2D bytes per decode token: with no expert cached, every MoE layer copies its K routed
+experts, so ``num_moe_layers × K × expert_bytes`` cross the link for each generated token.
+
+Adding a family (notes for gpt_oss, deepseek_v2/v3, glm4_moe_lite):
+  - gpt_oss: experts carry biases (gate_up bias 2I, down bias H) and ship as MXFP4 blocks+scales
+    (~4.25 bits/param), so bytes per expert must come from the quantization_config, not the dtype;
+    attention has sinks (one per head) and biases.
+  - deepseek_v2/v3, glm4_moe_lite: the first ``first_k_dense_replace`` layers are dense MLPs;
+    ``n_routed_experts`` E, ``n_shared_experts × moe_intermediate_size`` shared (dense) width;
+    MLA attention (q_lora_rank may be None, kv_lora_rank, qk_rope/nope head dims, v_head_dim);
+    an e_score_correction_bias [E] per MoE layer; v3 may hold an MTP layer beyond num_hidden_layers.
+Each needs a ``_count_<family>`` returning :class:`ParamCounts`, a test against the transformers
+model built from a tiny config (tests/test_hub_sizes.py), and an entry in ``_FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from moespec.errors import UnsupportedModelError
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of one checkpoint (numbers of scalars, not bytes).
+
+    Attributes:
+        expert_params: parameters of ONE routed expert (gate, up, down and biases if any).
+        num_moe_layers: layers with routed experts.
+        num_experts: E, routed experts per MoE layer.
+        top_k: K, experts a token is routed to.
+        dense_params: everything else: embeddings, attention, norms, routers, shared experts,
+            dense MLP layers and lm_head.
+    """
+
+    expert_params: int
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    dense_params: int
+
+    @property
+    def total_expert_params(self) -> int:
+        return self.expert_params * self.num_experts * self.num_moe_layers
+
+    @property
+    def total_params(self) -> int:
+        return self.total_expert_params + self.dense_params
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Byte sizes of a checkpoint, derived from :class:`ParamCounts` and the dtype.
+
+    Attributes:
+        model_type: config.json's model_type.
+        dtype: the weights' dtype name (e.g. "bfloat16").
+        bytes_per_param: 2 for bf16/fp16, 4 for fp32.
+        params: the parameter counts.
+    """
+
+    model_type: str
+    dtype: str
+    bytes_per_param: int
+    params: ParamCounts
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of ONE routed expert: the unit one host-to-device copy moves."""
+        return self.params.expert_params * self.bytes_per_param
+
+    @property
+    def experts_bytes(self) -> int:
+        """Bytes of all routed experts of all MoE layers (what lives in host memory)."""
+        return self.params.total_expert_params * self.bytes_per_param
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of everything that stays on the device (attention, embeddings, shared experts...)."""
+        return self.params.dense_params * self.bytes_per_param
+
+    @property
+    def total_bytes(self) -> int:
+        return self.experts_bytes + self.dense_bytes
+
+    @property
+    def zero_cache_h2d_bytes_per_token(self) -> int:
+        """num_moe_layers × top_k × expert_bytes: bytes copied per decode token with no expert cached."""
+        return self.params.num_moe_layers * self.params.top_k * self.expert_bytes
+
+
+def _get(config: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    if default is not None:
+        return default
+    raise UnsupportedModelError(
+        f"config.json has none of {', '.join(names)}", "the checkpoint's config.json is incomplete; re-download it"
+    )
+
+
+def _attention_params(c: Mapping[str, Any], qkv_bias: bool, qk_norm: str) -> int:
+    """q/k/v/o projections (+ q/k biases, + q/k norms) of one layer.
+
+    qk_norm: "" none, "head" RMSNorm over head_dim (Qwen3), "full" over the projection width (OLMoE).
+    """
+    h = c["hidden_size"]
+    n_heads = c["num_attention_heads"]
+    n_kv = c.get("num_key_value_heads") or n_heads
+    head_dim = c.get("head_dim") or h // n_heads
+    q, kv = n_heads * head_dim, n_kv * head_dim
+    params = h * q + 2 * h * kv + q * h
+    if qkv_bias or c.get("attention_bias"):
+        params += q + 2 * kv + (h if c.get("attention_bias") else 0)
+    if qk_norm == "head":
+        params += 2 * head_dim
+    elif qk_norm == "full":
+        params += q + kv
+    return params
+
+
+def _embeddings_params(c: Mapping[str, Any]) -> int:
+    """Input embeddings, the final norm and lm_head (unless tied)."""
+    vocab, h = c["vocab_size"], c["hidden_size"]
+    return vocab * h * (1 if c.get("tie_word_embeddings") else 2) + h
+
+
+def _moe_layer_ids(c: Mapping[str, Any]) -> list[int]:
+    """Qwen-style sparse placement: layer i is MoE unless in mlp_only_layers, every decoder_sparse_step."""
+    step = c.get("decoder_sparse_step") or 1
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    return [i for i in range(c["num_hidden_layers"]) if i not in mlp_only and (i + 1) % step == 0]
+
+
+def _count_qwen(c: Mapping[str, Any], shared: bool, qkv_bias: bool, qk_norm: str) -> ParamCounts:
+    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    e = _get(c, "num_experts", "num_local_experts")
+    i_exp = _get(c, "moe_intermediate_size")
+    moe_ids = _moe_layer_ids(c)
+    per_layer_common = _attention_params(c, qkv_bias, qk_norm) + 2 * h  # + input/post-attention norms
+    dense = _embeddings_params(c) + n_layers * per_layer_common
+    dense += len(moe_ids) * e * h  # routers H -> E
+    dense += (n_layers - len(moe_ids)) * 3 * h * _get(c, "intermediate_size")  # dense MLP layers
+    if shared:  # differs from Qwen3: a shared expert (SwiGLU, width S) + its sigmoid gate H -> 1, dense
+        dense += len(moe_ids) * (3 * h * _get(c, "shared_expert_intermediate_size") + h)
+    return ParamCounts(3 * h * i_exp, len(moe_ids), e, _get(c, "num_experts_per_tok"), dense)
+
+
+def _count_qwen3_moe(c: Mapping[str, Any]) -> ParamCounts:
+    return _count_qwen(c, shared=False, qkv_bias=False, qk_norm="head")
+
+
+def _count_qwen2_moe(c: Mapping[str, Any]) -> ParamCounts:
+    return _count_qwen(c, shared=True, qkv_bias=bool(c.get("qkv_bias", True)), qk_norm="")
+
+
+def _count_every_layer_moe(c: Mapping[str, Any], qk_norm: str) -> ParamCounts:
+    """Mixtral and OLMoE: every layer is MoE, experts have width intermediate_size, no shared expert."""
+    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    e = _get(c, "num_local_experts", "num_experts")
+    per_layer = _attention_params(c, False, qk_norm) + 2 * h + e * h  # attention, norms, router
+    dense = _embeddings_params(c) + n_layers * per_layer
+    return ParamCounts(3 * h * _get(c, "intermediate_size"), n_layers, e, _get(c, "num_experts_per_tok"), dense)
+
+
+_FAMILIES: dict[str, Callable[[Mapping[str, Any]], ParamCounts]] = {
+    "qwen3_moe": _count_qwen3_moe,
+    "qwen2_moe": _count_qwen2_moe,
+    "mixtral": lambda c: _count_every_layer_moe(c, qk_norm=""),
+    "olmoe": lambda c: _count_every_layer_moe(c, qk_norm="full"),
+}
+
+
+def sized_model_types() -> list[str]:
+    """model_types whose sizes this module can compute."""
+    return sorted(_FAMILIES)
+
+
+def model_sizes(config: Mapping[str, Any]) -> ModelSizes:
+    """Compute the byte sizes of a checkpoint from its parsed config.json.
+
+    The dtype is config's ``dtype`` (transformers 5) or ``torch_dtype``; bfloat16 when absent.
+    A VLM-style config with the text model under ``text_config`` is read from there.
+
+    Raises:
+        UnsupportedModelError: the model_type has no size rule yet, or a needed field is missing.
+    """
+    model_type = str(config.get("model_type") or "")
+    if model_type not in _FAMILIES and isinstance(config.get("text_config"), Mapping):
+        return model_sizes({**config["text_config"], **{k: config[k] for k in ("dtype", "torch_dtype") if k in config}})
+    if model_type not in _FAMILIES:
+        raise UnsupportedModelError(
+            f"no size rule for model_type {model_type!r}; known: {', '.join(sized_model_types())}",
+            "add a _count_<family> function to moespec/hub/sizes.py",
+        )
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    try:
+        params = _FAMILIES[model_type](config)
+    except KeyError as exc:
+        raise UnsupportedModelError(
+            f"config.json of this {model_type} model lacks {exc.args[0]!r}", "re-download the model's config.json"
+        ) from exc
+    return ModelSizes(model_type, dtype, _DTYPE_BYTES.get(dtype, 2), params)
+
+
+def format_bytes(n: int) -> str:
+    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
