@@ -96,23 +96,43 @@ class ExpertCache:
         if self._pins[slot] == 0:
             self.engine.slot_released(slot)
             self._lru[slot] = None
+            if self._key[slot] is None:  # an empty slot is the first to reuse
+                self._lru.move_to_end(slot, last=False)
 
-    def _load(self, key: Key) -> int | None:
+    def _evict_to_empty(self, slot: int) -> None:
+        key = self._key[slot]
+        if key is not None:
+            del self._where[key]
+            self._by_layer[key[0]].discard(key[1])
+        self._key[slot] = None
+
+    def _load(self, key: Key, prefetch: bool = False) -> int | None:
         """Evict the least recently used unpinned slot and start copying ``key`` into it."""
         if not self._lru:
             return None
         slot, _ = self._lru.popitem(last=False)
-        old = self._key[slot]
-        if old is not None:
-            del self._where[old]
-            self._by_layer[old[0]].discard(old[1])
+        self._evict_to_empty(slot)
         self._key[slot] = key
         self._where[key] = slot
         self._by_layer.setdefault(key[0], set()).add(key[1])
-        self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot)
+        self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
         self.copies += 1
         self._pins[slot] = 1
         return slot
+
+    def clear(self) -> None:
+        """Empty every slot (a cold cache), after all copies finished; no slot may be pinned.
+
+        For measurements that must start from the same cache state (``moespec profile``).
+        """
+        assert not any(self._pins), "clear() while slots are pinned"
+        self.engine.synchronize()
+        self._where.clear()
+        self._by_layer.clear()
+        self._key = [None] * self.num_slots
+        self._ticket = [None] * self.num_slots
+        self._from_prefetch = [False] * self.num_slots
+        self._lru = OrderedDict((s, None) for s in range(self.num_slots))
 
     # --- the two ways in -------------------------------------------------------------------
     def acquire(self, key: Key) -> Acquired | None:
@@ -139,11 +159,25 @@ class ExpertCache:
         if slot is not None:
             self._pin(slot)
             return slot, False
-        slot = self._load(key)
+        slot = self._load(key, prefetch=True)
         if slot is None:
             return None
         self._from_prefetch[slot] = True
         return slot, True
+
+    def cancel_prefetch(self, slot: int) -> bool:
+        """Cancel the not-yet-started prefetch copy into ``slot``; the slot becomes empty.
+
+        Returns True when the copy was dropped (no bytes moved). The caller still releases its pin.
+        """
+        ticket = self._ticket[slot]
+        if ticket is None or not self._from_prefetch[slot] or not self.engine.cancel(ticket):
+            return False
+        self._ticket[slot] = None
+        self._from_prefetch[slot] = False
+        self._evict_to_empty(slot)
+        self.copies -= 1
+        return True
 
     def unused_prefetch(self, slot: int) -> bool:
         """True when ``slot`` was filled by a prefetch that no compute has used; clears the mark."""

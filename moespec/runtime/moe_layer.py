@@ -113,7 +113,12 @@ class MoeLayerRunner:
             if key is not None and key[1] in needed:
                 keep.append(slot)
                 continue
-            if self.cache.unused_prefetch(slot):
+            if self.cache.cancel_prefetch(slot):
+                # The copy never started: no bytes moved, the slot is free again.
+                stats.prefetched -= 1
+                stats.prefetch_cancelled += 1
+                stats.h2d_bytes -= self.expert_bytes
+            elif self.cache.unused_prefetch(slot):
                 stats.prefetch_wasted += 1
             self.cache.release(slot)
         return keep

@@ -19,7 +19,8 @@ class LayerStats:
 
     hits/misses count (token-independent) expert requests of the layer: a hit was resident (or in
     flight from a prefetch) when needed, a miss was copied on demand. prefetched counts copies
-    issued by the predictor for this layer; prefetch_used/prefetch_wasted split them after it ran.
+    the predictor issued for this layer that ran; prefetch_used/prefetch_wasted split them after it
+    ran; prefetch_cancelled counts mispredicted copies dropped before they started (no bytes).
     recall_hits/recall_total: |predicted ∩ true top-K| and K summed over tokens; weighted_* the
     true gate mass covered. skipped: true top-K experts that did not run (speculative, guarded);
     skipped_mass: their true gate weight.
@@ -30,6 +31,7 @@ class LayerStats:
     prefetched: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_cancelled: int = 0
     h2d_bytes: int = 0
     stall_ms: float = 0.0
     compute_ms: float = 0.0

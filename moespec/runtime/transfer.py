@@ -8,7 +8,8 @@ bandwidth (``link_gbps``), so overlap, stall and bytes are real measurements wit
 
 from __future__ import annotations
 
-import queue
+import heapq
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Ticket:
         slot: destination slot index.
         done: set when the copy finished (CPU) / a CUDA event recorded after the copy.
         copy_s: measured duration of the copy itself in seconds (CPU only; 0 on CUDA).
+        start, end: when the copy itself ran, on the ``mark()`` clock (perf_counter seconds on CPU,
+            timing events on CUDA), so ``Span(start, end)`` places it on a timeline; None until known.
     """
 
     nbytes: int
@@ -49,6 +52,10 @@ class Ticket:
     done: object = None
     copy_s: float = 0.0
     waited: bool = field(default=False)
+    started: bool = False
+    cancelled: bool = False
+    start: object = None
+    end: object = None
 
     def finished(self) -> bool:
         """True once the copy has completed (never blocks)."""
@@ -62,9 +69,16 @@ class TransferEngine:
 
     bytes_moved: int = 0
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ticket:
-        """Start copying packed expert ``src`` [P] (host) into ``dst`` [P] (device slot ``slot``)."""
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
+        """Start copying packed expert ``src`` [P] (host) into ``dst`` [P] (device slot ``slot``).
+
+        ``prefetch`` copies yield to demand copies that were queued later, where the engine can reorder.
+        """
         raise NotImplementedError
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Drop a copy that has not started; True when it will never run (its bytes are not moved)."""
+        return False
 
     def wait(self, ticket: Ticket) -> Span:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
@@ -99,7 +113,10 @@ class ThreadTransferEngine(TransferEngine):
         self.link_gbps = link_gbps
         self.bytes_moved = 0
         self._busy_s = 0.0
-        self._queue: queue.Queue = queue.Queue()
+        # (priority, sequence, job): demand copies (0) go before queued prefetches (1), FIFO within.
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="moespec-h2d", daemon=True)
         self._thread.start()
@@ -110,12 +127,24 @@ class ThreadTransferEngine(TransferEngine):
         with torch.inference_mode():
             self._loop()
 
+    def _put(self, priority: int, job) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._cv.notify()
+
     def _loop(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            dst, src, ticket = job
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                job = heapq.heappop(self._heap)[2]
+                if job is None:
+                    return
+                dst, src, ticket = job
+                if ticket.cancelled:
+                    ticket.done.set()
+                    continue
+                ticket.started = True
             t0 = time.perf_counter()
             try:
                 dst.copy_(src)
@@ -126,16 +155,25 @@ class ThreadTransferEngine(TransferEngine):
                 rest = ticket.nbytes / (self.link_gbps * 1e9) - (time.perf_counter() - t0)
                 if rest > 0:
                     time.sleep(rest)
-            ticket.copy_s = time.perf_counter() - t0
+            ticket.start, ticket.end = t0, time.perf_counter()
+            ticket.copy_s = ticket.end - t0
             self._busy_s += ticket.copy_s
             ticket.done.set()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ticket:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
         nbytes = src.numel() * src.element_size()
         ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event())
         self.bytes_moved += nbytes
-        self._queue.put((dst, src, ticket))
+        self._put(1 if prefetch else 0, (dst, src, ticket))
         return ticket
+
+    def cancel(self, ticket: Ticket) -> bool:
+        with self._cv:
+            if ticket.started or ticket.done.is_set():
+                return False
+            ticket.cancelled = True
+            self.bytes_moved -= ticket.nbytes
+            return True
 
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
@@ -150,15 +188,15 @@ class ThreadTransferEngine(TransferEngine):
 
     def synchronize(self) -> None:
         done = threading.Event()
-        # A sentinel copy of nothing: when it runs, everything queued before it has finished.
-        self._queue.put((torch.empty(0), torch.empty(0), Ticket(nbytes=0, slot=-1, done=done)))
+        # A sentinel copy of nothing at the lowest priority: when it runs, everything queued is done.
+        self._put(2, (torch.empty(0), torch.empty(0), Ticket(nbytes=0, slot=-1, done=done)))
         done.wait()
 
     def busy_seconds(self) -> float:
         return self._busy_s
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._put(3, None)
         self._thread.join(timeout=5)
 
 
@@ -178,7 +216,8 @@ class CudaTransferEngine(TransferEngine):
         self._copy_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._busy_s = 0.0
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int) -> Ticket:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
+        # One in-order copy stream: issued copies cannot be reordered or cancelled here.
         nbytes = src.numel() * src.element_size()
         self.bytes_moved += nbytes
         with torch.cuda.stream(self.stream):
@@ -192,7 +231,7 @@ class CudaTransferEngine(TransferEngine):
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         self._copy_spans.append((start, done))
-        return Ticket(nbytes=nbytes, slot=slot, done=done)
+        return Ticket(nbytes=nbytes, slot=slot, done=done, start=start, end=done)
 
     def wait(self, ticket: Ticket) -> Span:
         compute = torch.cuda.current_stream(self.device)

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny checkpoints of every family, built once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_checkpoint  # noqa: E402
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory, monkeypatch):
+    """moespec's cache goes to a temporary folder unless a test says otherwise."""
+    if "MOESPEC_HOME" not in __import__("os").environ or __import__("os").environ.get("CI"):
+        monkeypatch.setenv("MOESPEC_HOME", str(tmp_path_factory.getbasetemp() / "moespec_home"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """family -> folder of a tiny random checkpoint (3 layers, 8 experts, top-2, H=32, I=16)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_checkpoint(root / f, f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `cuda`-marked tests cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,86 @@
+"""ExpertCache properties, one per test: LRU order, pins, prefetch room, unpinned host store on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from moespec.models.base import ExpertLayout
+from moespec.runtime.cache import ExpertCache
+from moespec.runtime.store import ExpertStore
+from moespec.runtime.transfer import ThreadTransferEngine
+
+
+def _cache(slots: int, experts: int = 6):
+    store = ExpertStore([0, 1], experts, ExpertLayout(hidden=4, intermediate=2), torch.float32, pin=False)
+    store.buffer.copy_(torch.arange(store.buffer.numel(), dtype=torch.float32).view_as(store.buffer))
+    engine = ThreadTransferEngine()
+    return ExpertCache(store, slots, torch.device("cpu"), engine), engine
+
+
+def test_store_stays_unpinned_on_cpu_and_copies_are_exact():
+    cache, engine = _cache(2)
+    assert cache.store.pinned is False
+    got = cache.acquire((1, 3))
+    cache.wait(got.slot)
+    assert torch.equal(cache.slots[got.slot], cache.store.expert(1, 3))
+    assert cache.store.expert_bytes == 3 * 4 * 2 * 4
+    engine.close()
+
+
+def test_lru_evicts_least_recently_used_unpinned():
+    cache, engine = _cache(2)
+    a = cache.acquire((0, 0))
+    b = cache.acquire((0, 1))
+    cache.release(a.slot)
+    cache.release(b.slot)  # b is now most recently used
+    c = cache.acquire((0, 2))
+    assert c.slot == a.slot and not cache.resident((0, 0)) and cache.resident((0, 1))
+    engine.close()
+
+
+def test_pinned_slots_are_never_evicted():
+    cache, engine = _cache(2)
+    a = cache.acquire((0, 0))
+    b = cache.acquire((0, 1))
+    assert cache.acquire((0, 2)) is None  # both pinned: no room
+    assert cache.prefetch((0, 3)) is None
+    cache.release(b.slot)
+    assert cache.acquire((0, 2)).slot == b.slot
+    assert cache.resident((0, 0))
+    engine.close()
+
+
+def test_prefetch_pin_protects_until_released_and_counts_first_use():
+    cache, engine = _cache(3)
+    slot, copied = cache.prefetch((1, 5))
+    assert copied
+    assert cache.prefetch((1, 5)) == (slot, False)  # already there: no second copy
+    got = cache.acquire((1, 5))
+    assert got.hit and got.prefetched
+    assert not cache.acquire((1, 5)).prefetched  # only the first use counts as a prefetch hit
+    assert cache.copies == 1
+    engine.close()
+
+
+def test_reference_moe_matches_cached_compute():
+    """The slow reference (straight from host rows) equals the slot-based compute."""
+    from moespec.models.base import Routing
+    from moespec.runtime.experts import reference_moe, weighted_contribution
+
+    cache, engine = _cache(6)
+    torch.manual_seed(0)
+    cache.store.buffer.normal_()
+    x = torch.randn(5, 4)
+    ids = torch.tensor([[0, 2], [2, 5], [1, 0], [5, 4], [3, 2]])
+    routing = Routing(ids=ids, weights=torch.rand(5, 2))
+    act = torch.nn.functional.silu
+    want = reference_moe(x, routing, cache.store.buffer[1], cache.store.layout, act)
+    out = torch.zeros_like(x)
+    for e in sorted(set(ids.flatten().tolist())):
+        got = cache.acquire((1, e))
+        cache.wait(got.slot)
+        tok, _, y = weighted_contribution(x, routing, e, *cache.weights(got.slot), act)
+        out.index_add_(0, tok, y)
+        cache.release(got.slot)
+    assert torch.allclose(out, want, atol=1e-6)
+    engine.close()
