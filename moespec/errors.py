@@ -65,3 +65,11 @@ class DataError(MoespecError):
 
 class OutputError(MoespecError):
     """An output path is not writable or exists already."""
+
+
+class HubAccessError(MoespecError):
+    """The repo exists but this token may not read it (gated, private, or the token is invalid)."""
+
+
+class HubUnreachableError(MoespecError):
+    """The Hub endpoint cannot be reached (network down, offline mode, server error)."""

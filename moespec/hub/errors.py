@@ -7,15 +7,8 @@ of `moespec download` needs the model name, the cause and the flag or command th
 
 from __future__ import annotations
 
-from moespec.errors import CheckpointError, MoespecError, ModelNotFoundError
-
-
-class HubAccessError(MoespecError):
-    """The repo exists but this token may not read it (gated, private, or the token is invalid)."""
-
-
-class HubUnreachableError(MoespecError):
-    """The Hub endpoint cannot be reached (network down, offline mode, server error)."""
+from moespec.errors import (CheckpointError, HubAccessError, HubUnreachableError,  # noqa: F401 (re-exported)
+                            MoespecError, ModelNotFoundError)
 
 
 def hub_endpoint() -> str:
