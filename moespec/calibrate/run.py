@@ -1,0 +1,164 @@
+"""Calibration through the offloading runtime: two passes of prefill chunks, exact mode.
+
+Pass 1 runs the calibration chunks with a DefaultVectorCollector as the MoE runner's observer
+(default vectors of both variants, expert frequencies). Pass 2 runs the held-out chunks with a
+RecallObserver scoring `router` and `quasi` (each variant) against the true routing; the variant
+with the better mean recall@K becomes the file's default vectors. Every chunk is an independent
+prefill (fresh KV cache), so a model that does not fit the device is calibrated by streaming its
+experts layer by layer through the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moespec.calibrate.collect import VARIANTS, DefaultVectorCollector, DefaultVectors
+from moespec.calibrate.data import ChunkPlan
+from moespec.calibrate.file import Calibration, config_hash, finite_mean, router_fingerprint
+from moespec.calibrate.locate import model_key
+from moespec.calibrate.recall import RecallObserver
+from moespec.predict.base import LayerRef, NextLayerPredictor, RouterPredictor
+from moespec.predict.quasi import QuasiPredictor
+from moespec.runtime.engine import Engine
+from moespec.runtime.offload import OffloadedModel
+
+# (stage, tokens done, tokens total) after every chunk; stage is "calibrate" or "heldout".
+Progress = Callable[[str, int, int], None]
+METRICS = ("recall", "weighted_recall", "cosine")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What `moespec calibrate` does, with defaults in one place.
+
+    Attributes:
+        tokens: calibration tokens for default vectors and frequencies (``--tokens``).
+        heldout_tokens: tokens to measure recall on; None = a tenth of ``tokens``, at least one chunk.
+        seq_len: tokens per chunk, each run as one prefill pass (``--seq-len``).
+        seed: shuffles the documents of a folder or .jsonl (``--seed``).
+    """
+
+    tokens: int = 100_000
+    heldout_tokens: int | None = None
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """A finished calibration and how long its passes took (kept out of the file: it is not data)."""
+
+    calibration: Calibration
+    calib_s: float
+    heldout_s: float
+
+
+def layer_refs(om: OffloadedModel) -> list[LayerRef]:
+    """The MoE layers of a loaded model as predictors see them."""
+    layers = om.model.model.layers
+    return [LayerRef(layer=i, norm=layers[i].post_attention_layernorm, block=layers[i].mlp) for i in om.store.moe_layers]
+
+
+def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str,
+               progress: Progress | None = None) -> None:
+    """Run each chunk as an independent prefill with ``observer`` attached to the MoE runner."""
+    engine = Engine(om)
+    total, done = sum(len(c) for c in chunks), 0
+    om.runner.observer = observer
+    try:
+        for chunk in chunks:
+            engine.reset()
+            engine.forward(chunk, "prefill")
+            done += len(chunk)
+            if progress is not None:
+                progress(stage, done, total)
+    finally:
+        om.runner.observer = None
+        om.runner.reset_step()
+        engine.reset()
+
+
+def collect_default_vectors(om: OffloadedModel, chunks: list[list[int]], progress: Progress | None = None) -> DefaultVectors:
+    """Pass 1: default vectors (both variants) and frequencies over ``chunks``."""
+    collector = DefaultVectorCollector(om.store.moe_layers, om.store.num_experts, om.store.layout.hidden, om.device)
+    run_chunks(om, chunks, collector, "calibrate", progress)
+    return collector.result()
+
+
+def measure_recall(om: OffloadedModel, chunks: list[list[int]], predictors: dict[str, NextLayerPredictor],
+                   progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Pass 2: "<metric>/<predictor>" -> [M] float32 per predicted MoE layer (NaN for the first)."""
+    observer = RecallObserver(om.adapter, predictors)
+    run_chunks(om, chunks, observer, "heldout", progress)
+    layers = om.store.moe_layers
+    out = {}
+    for name, per_layer in observer.counts.items():
+        for metric in METRICS:
+            vals = [getattr(per_layer[layer], metric)() if layer in per_layer else float("nan") for layer in layers]
+            out[f"{metric}/{name}"] = torch.tensor(vals, dtype=torch.float32)
+    return out
+
+
+def calibration_predictors(om: OffloadedModel, dv: DefaultVectors) -> dict[str, NextLayerPredictor]:
+    """`router` and one `quasi_<variant>` per default-vector variant, over the loaded model."""
+    refs = layer_refs(om)
+    out: dict[str, NextLayerPredictor] = {"router": RouterPredictor(om.adapter, refs)}
+    for variant, vectors in dv.vectors.items():
+        per_layer = {layer: vectors[m].to(om.device) for m, layer in enumerate(dv.layers)}  # [E, H]
+        out[f"quasi_{variant}"] = QuasiPredictor(om.adapter, refs, per_layer)
+    return out
+
+
+def choose_variant(metrics: dict[str, torch.Tensor]) -> str:
+    """The variant whose quasi predictor has the best mean recall@K (ties: the paper's "mean")."""
+    best, best_recall = VARIANTS[0], float("-inf")
+    for variant in VARIANTS:
+        r = finite_mean(metrics[f"recall/quasi_{variant}"])
+        if r == r and r > best_recall:  # r == r: not NaN
+            best, best_recall = variant, r
+    return best
+
+
+def calibrate(om: OffloadedModel, plan: ChunkPlan, cfg: CalibrateConfig, data: str, heldout_data: str,
+              progress: Progress | None = None) -> CalibrationRun:
+    """Run both passes on the loaded model ``om`` and return the calibration (not yet written).
+
+    Args:
+        om: the model, loaded for exact execution.
+        plan: calibration and held-out chunks.
+        cfg: the settings (recorded in the metadata).
+        data, heldout_data: descriptions of the text sources.
+        progress: called after every chunk.
+    """
+    import moespec
+
+    t0 = time.perf_counter()
+    dv = collect_default_vectors(om, plan.calib, progress)
+    t1 = time.perf_counter()
+    metrics = measure_recall(om, plan.heldout, calibration_predictors(om, dv), progress)
+    t2 = time.perf_counter()
+    variant = choose_variant(metrics)
+    for metric in METRICS:
+        metrics[f"{metric}/quasi"] = metrics[f"{metric}/quasi_{variant}"].clone()
+    refs = layer_refs(om)
+    meta = {
+        "model": model_key(om.path),
+        "config_hash": config_hash(om.config),
+        "router_fingerprint": router_fingerprint([r.block.gate.weight for r in refs]),
+        "moespec_version": moespec.__version__,
+        "tokens": dv.tokens,
+        "heldout_tokens": plan.heldout_tokens,
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "data": data,
+        "heldout_data": heldout_data,
+        "dtype": str(om.dtype).removeprefix("torch."),
+        "top_k": om.adapter.top_k(),
+    }
+    calib = Calibration(layers=dv.layers, default_vectors=dv.vectors, variant=variant, frequencies=dv.frequencies,
+                        unrouted=dv.unrouted, metrics=metrics, meta=meta)
+    return CalibrationRun(calib, calib_s=t1 - t0, heldout_s=t2 - t1)

@@ -1,0 +1,172 @@
+"""`moespec calibrate`: default vectors, expert frequencies and per-layer recall for one model."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import typer
+
+from moespec.cli.common import CacheExperts, Device, Dtype, GpuMemory, Seed, err_console, handles_errors
+
+HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
+
+Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
+
+Without --data, public-domain text shipped with moespec is used (US State of the Union addresses).
+
+Examples:
+
+  moespec calibrate Qwen/Qwen3-30B-A3B --gpu-memory 8GiB
+
+  moespec calibrate ./my-moe --data corpus.jsonl --tokens 200000 --seq-len 1024
+
+  moespec calibrate ./my-moe --data texts/ --out ./my-moe.calib.safetensors
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `calibrate` command to ``app``."""
+    app.command("calibrate", help=HELP)(calibrate)
+
+
+@handles_errors
+def calibrate(
+    model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
+    data: Optional[str] = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field."),
+    tokens: int = typer.Option(100_000, "--tokens", help="Calibration tokens (all the data holds, if fewer)."),
+    heldout_tokens: Optional[int] = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Calibration file to write; default: where chat looks for it."),
+    gpu_memory: Optional[str] = GpuMemory,
+    cache_experts: Optional[int] = CacheExperts,
+    device: str = Device,
+    dtype: str = Dtype,
+    seed: int = Seed,
+) -> None:
+    import time
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from moespec.calibrate.data import load_text_source, plan_chunks
+    from moespec.calibrate.file import ensure_writable, save_calibration
+    from moespec.calibrate.locate import default_calibration_path
+    from moespec.calibrate.run import CalibrateConfig
+    from moespec.cli.runtime_opts import build_runtime_config
+    from moespec.config import ExecuteMode, Predictor
+    from moespec.runtime.offload import load_offloaded
+
+    cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
+    rcfg = build_runtime_config(device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+                                predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None)
+    source = load_text_source(data, seed)  # bad data fails before the model loads
+    path = _resolve(model)
+    target = ensure_writable(Path(out) if out else default_calibration_path(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        from moespec.errors import CheckpointError
+
+        raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
+                              "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
+    plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
+    for note in plan.notes:
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False)
+    om = load_offloaded(path, rcfg)
+    try:
+        _check_context(om, cfg.seq_len)
+        err_console.print(f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
+                          f"(top-{om.adapter.top_k()}) on {om.device}, {om.cache.num_slots} cache slots; "
+                          f"{plan.calib_tokens} calibration + {plan.heldout_tokens} held-out tokens "
+                          f"in chunks of {cfg.seq_len}[/]", highlight=False)
+        t0 = time.perf_counter()
+        result = _run_with_progress(om, plan, cfg, source)
+        elapsed = time.perf_counter() - t0
+    finally:
+        om.close()
+    save_calibration(target, result.calibration)
+    _render(result, plan, elapsed, target)
+
+
+def _resolve(model: Optional[str]):
+    from moespec.hub.resolve import resolve_model
+
+    if model is not None:
+        return resolve_model(model)
+    try:
+        from moespec.default_model import ensure_default_model
+    except ImportError:
+        from moespec.errors import OptionError
+
+        raise OptionError("the embedded default model is not part of this build", "pass MODEL (a folder or Hub id)") from None
+    return ensure_default_model(err_console)
+
+
+def _check_context(om, seq_len: int) -> None:
+    from moespec.errors import OptionError
+
+    if seq_len > om.max_context():
+        raise OptionError(f"--seq-len {seq_len} exceeds the model's context of {om.max_context()} tokens",
+                          f"use --seq-len {min(512, om.max_context())}")
+
+
+def _run_with_progress(om, plan, cfg, source):
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    from moespec.calibrate.run import calibrate
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=False) as bar:
+        tasks = {"calibrate": bar.add_task("calibrating", total=plan.calib_tokens, rate=""),
+                 "heldout": bar.add_task("held-out recall", total=plan.heldout_tokens, rate="")}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            task = bar.tasks[tasks[stage]]
+            bar.update(tasks[stage], completed=done)
+            speed = task.speed or (done / task.elapsed if task.elapsed else None)
+            if speed:
+                bar.update(tasks[stage], rate=f"{speed:,.0f} tok/s")
+
+        heldout_desc = source.description + (" (held-out part)" if source.heldout else " (held-out tail)")
+        return calibrate(om, plan, cfg, source.description, heldout_desc, progress)
+
+
+def _render(result, plan, elapsed: float, target) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moespec.calibrate.file import finite_mean
+
+    out = Console(highlight=False)
+    calib = result.calibration
+    e = calib.frequencies.shape[1]
+    table = Table(title=f"{calib.meta['tokens']:,} calibration tokens · recall on {plan.heldout_tokens:,} held-out tokens",
+                  caption=f"entropy: of the expert frequencies, in bits (max {math.log2(e):.1f}); recall@K, weighted "
+                          "recall and cosine to the true router input, predicting each layer from the one before")
+    for col in ("layer", "entropy", "unrouted", "recall\nrouter", "recall\nquasi", "w-recall\nrouter",
+                "w-recall\nquasi", "cos\nrouter", "cos\nquasi"):
+        table.add_column(col, justify="right")
+    freq = calib.frequencies.double()
+    for m, layer in enumerate(calib.layers):
+        p = freq[m] / freq[m].sum().clamp(min=1)
+        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum())
+        row = [str(layer), f"{entropy:.2f}", str(int(calib.unrouted[m]))]
+        for metric, pred in (("recall", "router"), ("recall", "quasi"), ("weighted_recall", "router"),
+                             ("weighted_recall", "quasi"), ("cosine", "router"), ("cosine", "quasi")):
+            v = float(calib.metric(metric, pred)[m])
+            row.append("-" if math.isnan(v) else f"{v:.3f}")
+        table.add_row(*row)
+    out.print(table)
+    r_router, r_quasi = finite_mean(calib.metric("recall", "router")), finite_mean(calib.metric("recall", "quasi"))
+    alt = {v: finite_mean(calib.metric("recall", f"quasi_{v}")) for v in calib.default_vectors}
+    alts = ", ".join(f"{k} {v:.3f}" for k, v in alt.items())
+    out.print(f"mean recall@{calib.meta['top_k']}: router {r_router:.3f} · quasi {r_quasi:.3f} "
+              f"(default vectors: {calib.variant}; {alts})", soft_wrap=True)
+    rate = calib.meta["tokens"] / result.calib_s if result.calib_s > 0 else 0.0
+    per_100k = 1e5 / rate if rate else float("nan")
+    out.print(f"calibration pass {result.calib_s:.1f} s ({rate:,.0f} tok/s, {per_100k:.1f} s per 100k tokens); "
+              f"held-out pass {result.heldout_s:.1f} s; total {elapsed:.1f} s", soft_wrap=True)
+    out.print(f"wrote {target}", soft_wrap=True)
