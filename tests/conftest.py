@@ -14,6 +14,10 @@ from tiny import make_checkpoint  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
+# Why: on 2 cores, 2 intra-op threads plus the copy worker thread oversubscribe the CPU and make
+# tiny forwards ~100x slower; results do not depend on the thread count.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):

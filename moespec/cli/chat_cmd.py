@@ -48,6 +48,7 @@ def chat(
     device: str = Device,
     dtype: str = Dtype,
     link_gbps: Optional[float] = LinkGbps,
+    calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
@@ -67,7 +68,7 @@ def chat(
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=enum_option(Predictor, predictor, "--predictor"), execute=enum_option(ExecuteMode, execute, "--execute"),
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps,
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)
