@@ -27,6 +27,9 @@ def atomic_path(path: str | os.PathLike, force: bool = True) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; written files get the usual mode
     except OSError as exc:
         raise OutputError(f"cannot write to {path.parent}: {exc.strerror}", "choose a writable --out path") from exc
     tmp_path = Path(tmp)

@@ -1,0 +1,220 @@
+"""`moespec profile`: strategies side by side on one deterministic token trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import typer
+
+from moespec.cli.common import (CacheExperts, Device, Dtype, FetchThreshold, GpuMemory, LinkGbps, Seed,
+                                err_console, handles_errors)
+
+HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
+millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
+recall@K per layer, quality against `exact`, and the on-demand / perfect-overlap bounds.
+
+Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
+`oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
+
+Examples:
+
+  moespec profile ./Qwen3-30B-A3B --gpu-memory 4GiB --strategies none,router,quasi,oracle --out report.json
+
+  moespec profile MODEL --device cpu --link-gbps 0.5 --cache-experts 64 --prompt-len 64,256 --gen 16
+  --plot report.png --trace step.json
+
+  moespec profile --compare before.json after.json
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `profile` command to ``app``."""
+    app.command("profile", help=HELP)(profile)
+
+
+def _strategies(text: str):
+    from moespec.cli.runtime_opts import enum_option
+    from moespec.config import Predictor
+    from moespec.errors import OptionError
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle")
+    out = []
+    for name in names:
+        s = enum_option(Predictor, name, "--strategies")
+        if s not in out:
+            out.append(s)
+    return tuple(out)
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    from moespec.errors import OptionError
+
+    try:
+        values = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise OptionError(f"{flag} {text!r} is not a list of integers", f"e.g. {flag} 128,1024") from None
+    if not values:
+        raise OptionError(f"{flag} is empty", f"e.g. {flag} 128")
+    return values
+
+
+@handles_errors
+def profile(
+    model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
+    strategies: str = typer.Option("none,router,oracle", "--strategies", "-s",
+                                   help="Comma list of none, router, quasi, estimator, hybrid, oracle."),
+    prompt_len: str = typer.Option("128", "--prompt-len", help="Prompt length(s) in tokens, comma list."),
+    gen: int = typer.Option(32, "--gen", help="Decode steps per run (teacher-forced)."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
+    warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
+    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded."),
+    fetch_threshold: float = FetchThreshold,
+    gpu_memory: Optional[str] = GpuMemory,
+    cache_experts: Optional[int] = CacheExperts,
+    device: str = Device,
+    dtype: str = Dtype,
+    link_gbps: Optional[float] = LinkGbps,
+    calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
+    data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON report here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here (needs moespec[plot])."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of one decode step."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
+    compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Show two saved reports side by side."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    seed: int = Seed,
+) -> None:
+    from rich.console import Console
+
+    from moespec.errors import OptionError
+    from moespec.profile.report import check_writable
+
+    out_console = Console(highlight=False)
+    if compare:
+        from moespec.profile.render import render_compare
+        from moespec.profile.report import load_report
+
+        render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console)
+        return
+    for path, flag in ((out, "--out"), (plot, "--plot"), (trace, "--trace")):
+        check_writable(path, force, flag)
+    if plot is not None:
+        from moespec.profile.plot import require_matplotlib
+
+        require_matplotlib()
+    if gen < 1 or repeats < 1 or warmup < 0:
+        raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
+    if threads is not None:
+        if threads < 1:
+            raise OptionError(f"--threads {threads} must be at least 1")
+        import torch
+
+        torch.set_num_threads(threads)
+    report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
+                             cache_experts, device, dtype, link_gbps, calibration, data, seed, trace is not None)
+    from moespec.profile.render import render_report
+    from moespec.profile.report import write_json
+
+    render_report(report, out_console)
+    if out is not None:
+        write_json(out, report, force=True)
+        err_console.print(f"[dim]report written to {out}[/]")
+    if plot is not None:
+        from moespec.profile.plot import write_plot
+
+        write_plot(report, plot)
+        err_console.print(f"[dim]plot written to {plot}[/]")
+    if trace is not None:
+        from moespec.profile.chrome_trace import write_chrome_trace
+
+        write_chrome_trace(timelines, trace)
+        err_console.print(f"[dim]trace written to {trace} (open it in https://ui.perfetto.dev)[/]")
+
+
+def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
+         device, dtype, link_gbps, calibration, data, seed, timeline):
+    """Load the model, run the profile; returns (report dict, timelines)."""
+    import dataclasses
+
+    import torch
+
+    from moespec.cli.runtime_opts import build_runtime_config, enum_option
+    from moespec.config import ExecuteMode, Predictor
+    from moespec.profile.report import build_report, describe
+    from moespec.profile.run import ProfileConfig, run_profile
+    from moespec.profile.trace import check_lengths
+    from moespec.runtime.offload import load_offloaded, make_predictor
+
+    chosen = _strategies(strategies)
+    prompt_lens = _ints(prompt_len, "--prompt-len")
+    mode = enum_option(ExecuteMode, execute, "--execute")
+    predicting = any(s != Predictor.NONE for s in chosen)
+    # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
+    cfg = build_runtime_config(
+        device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration)
+    path, model_id = _resolve(model)
+    torch.manual_seed(seed)
+    om = load_offloaded(path, cfg)
+    try:
+        check_lengths(list(prompt_lens), gen, om.max_context())
+        refs = list(om.runner.predictor.refs.values())
+        predictors = {}
+        for s in chosen:
+            if s != Predictor.ORACLE:  # the oracle is built from each trace's exact run
+                predictors[s.value] = make_predictor(s, om.adapter, refs, dataclasses.replace(cfg, predictor=s), path)
+        if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
+            err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
+                              "pass --gpu-memory or --cache-experts to profile offloading")
+        err_console.print(
+            f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
+            f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
+            f"on {om.device}[/]")
+        pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
+                             warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
+        prof = run_profile(om, _tokenizer(path), pcfg, predictors,
+                           progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
+        options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
+                   "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
+                   "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
+                   "link_gbps": link_gbps, "calibration": calibration, "data": data, "seed": seed,
+                   "threads": torch.get_num_threads()}
+        return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines
+    finally:
+        om.close()
+
+
+def _resolve(model: Optional[str]) -> tuple[Path, str]:
+    from moespec.errors import ModelNotFoundError
+    from moespec.hub.resolve import resolve_model
+
+    if model is not None:
+        return resolve_model(model), model
+    try:
+        from moespec.default_model import ensure_default_model
+    except ImportError:
+        raise ModelNotFoundError("no MODEL given and this build has no embedded default model",
+                                 "pass a model folder or Hub id") from None
+    return ensure_default_model(err_console), "moespec default model"
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _tokenizer(path: Path):
+    """The model's tokenizer, or None when the folder has none (then the prompt is seeded random ids).
+
+    Checks for tokenizer files first: transformers 5 would otherwise build an empty tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    if not any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,196 @@
+"""The profile report: numbers per strategy aggregated from the runs, plus everything needed to
+reproduce and compare them (versions, hardware, model, options, link, trace fingerprints).
+
+Written atomically (a Ctrl-C or crash never leaves half a file) and refused when the path exists
+unless ``force``. Per-token numbers are means over every decode step of every repeat; TTFT and
+TPOT are mean ± sample std over repeats (a repeat's TPOT is the mean of its decode steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moespec.errors import DataError, OutputError
+from moespec.fsutil import atomic_path
+from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
+from moespec.profile.schema import SCHEMA_VERSION, validate
+from moespec.runtime.stats import LayerStats
+
+
+def _mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else 0.0,
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def describe(om, model_id: str) -> dict:
+    """The "versions", "hardware", "model" and "cache" sections for ``om``."""
+    import torch
+    import transformers
+
+    import moespec
+
+    cfg_file = Path(om.path) / "config.json"
+    config_hash = hashlib.sha256(cfg_file.read_bytes()).hexdigest()[:16] if cfg_file.exists() else ""
+    text_cfg = om.config.get_text_config()
+    dev = om.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "versions": {"moespec": moespec.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": sys.version.split()[0]},
+        "hardware": {"device": str(dev), "device_name": name, "cpu": platform.processor() or platform.machine(),
+                     "cpu_count": os.cpu_count() or 0, "torch_threads": torch.get_num_threads()},
+        "model": {"id": model_id, "config_hash": config_hash, "model_type": str(text_cfg.model_type),
+                  "layers": int(text_cfg.num_hidden_layers), "moe_layers": len(om.store.moe_layers),
+                  "experts": om.store.num_experts, "top_k": om.adapter.top_k(),
+                  "hidden": om.store.layout.hidden, "expert_intermediate": om.store.layout.intermediate,
+                  "expert_bytes": om.store.expert_bytes, "dtype": str(om.dtype).replace("torch.", "")},
+        "cache": {"slots": om.cache.num_slots, "bytes": om.cache.num_slots * om.store.expert_bytes},
+    }
+
+
+def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> dict:
+    steps = [s for r in runs for s in r.steps]
+    n = max(len(steps), 1)
+    tot = LayerStats()
+    per_layer: dict[int, LayerStats] = {}
+    layer_ms: dict[int, float] = {}
+    for s in steps:
+        for layer, st in s.layers.items():
+            tot.add(st)
+            per_layer.setdefault(layer, LayerStats()).add(st)
+        for layer, ms in s.layer_ms.items():
+            layer_ms[layer] = layer_ms.get(layer, 0.0) + ms
+    tpots = [statistics.fmean(st.wall_ms for st in r.steps) for r in runs if r.steps]
+    copy_busy = sum(s.copy_busy_ms for s in steps)
+    copy_bytes = sum(s.copy_bytes for s in steps)
+    tpot = statistics.fmean(tpots) if tpots else 0.0
+    on_demand = statistics.fmean(s.bounds.on_demand_ms for s in steps) if steps else 0.0
+    floor = statistics.fmean(s.bounds.floor_ms for s in steps) if steps else 0.0
+    copy_ms = statistics.fmean(s.bounds.copy_ms for s in steps) if steps else 0.0
+    return {
+        "strategy": runs[0].strategy,
+        "upper_bound": runs[0].strategy == "oracle",
+        "prompt_len": runs[0].prompt_len,
+        "execute": execute,
+        "ttft_ms": _mean_std([r.ttft_ms for r in runs]),
+        "tpot_ms": _mean_std(tpots),
+        "tokens_per_s": _mean_std([1e3 / t for t in tpots if t > 0]),
+        "tpot_ratio_vs_none": None,  # filled in once every strategy is known
+        "stall_ms_per_token": tot.stall_ms / n,
+        "compute_ms_per_token": tot.compute_ms / n,
+        "h2d_bytes_per_token": tot.h2d_bytes / n,
+        "link_gbps_achieved": copy_bytes / copy_busy / 1e6 if copy_busy > 0 else None,
+        "overlap_fraction": min(1.0, max(0.0, 1 - tot.stall_ms / copy_busy)) if copy_busy > 0 else None,
+        "hit_rate": _ratio(tot.hits, tot.hits + tot.misses),
+        "recall": _ratio(tot.recall_hits, tot.recall_total),
+        "weighted_recall": _ratio(tot.weighted_hit, tot.weighted_total),
+        "hits_per_token": tot.hits / n,
+        "misses_per_token": tot.misses / n,
+        "prefetched_per_token": tot.prefetched / n,
+        "prefetch_wasted_per_token": tot.prefetch_wasted / n,
+        "prefetch_cancelled_per_token": getattr(tot, "prefetch_cancelled", 0) / n,
+        "skipped_per_token": tot.skipped / n,
+        "quality": {"top1_agreement": sum(s.top1 for s in steps) / n, "kl_mean": sum(s.kl for s in steps) / n},
+        "bounds": {"on_demand_ms": on_demand, "floor_ms": floor,
+                   "compute_ms": statistics.fmean(s.bounds.compute_ms for s in steps) if steps else 0.0,
+                   "copy_ms": copy_ms, "copy_share": _ratio(copy_ms, on_demand),
+                   "distance_ms": tpot - floor, "distance_ratio": _ratio(tpot, floor)},
+        "totals": {"repeats": len(runs), "decode_tokens": len(steps), "hits": tot.hits, "misses": tot.misses,
+                   "prefetched": tot.prefetched, "prefetch_used": tot.prefetch_used, "h2d_bytes": tot.h2d_bytes,
+                   "copy_bytes": copy_bytes},
+        "token_sha256": runs[0].token_sha256,
+        "per_layer": [{
+            "layer": layer, "hits": st.hits / n, "misses": st.misses / n, "prefetched": st.prefetched / n,
+            "prefetch_used": st.prefetch_used / n, "prefetch_wasted": st.prefetch_wasted / n,
+            "h2d_bytes": st.h2d_bytes / n, "stall_ms": st.stall_ms / n, "compute_ms": st.compute_ms / n,
+            "layer_ms": layer_ms.get(layer, 0.0) / n, "recall": _ratio(st.recall_hits, st.recall_total),
+            "weighted_recall": _ratio(st.weighted_hit, st.weighted_total), "skipped": st.skipped / n,
+        } for layer, st in sorted(per_layer.items())],
+    }
+
+
+def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: ProfileRun) -> dict:
+    """The report dict (validates against schema.REPORT_SCHEMA)."""
+    expert_bytes = description["model"]["expert_bytes"]
+    results = []
+    for plen in cfg.prompt_lens:
+        for strategy in cfg.strategies:
+            runs = [r for r in prof.runs if r.prompt_len == plen and r.strategy == strategy.value]
+            if runs:
+                results.append(_strategy_result(runs, cfg.execute.value, expert_bytes))
+    for res in results:
+        base = next((r for r in results if r["strategy"] == "none" and r["prompt_len"] == res["prompt_len"]), None)
+        if base is not None:
+            res["tpot_ratio_vs_none"] = _ratio(res["tpot_ms"]["mean"], base["tpot_ms"]["mean"])
+    link = prof.link
+    method = ("emulated link: worker-thread copies throttled to --link-gbps" if link.emulated_gbps else
+              "pinned host-to-device copies" if link.pinned else "host-to-device copies")
+    first = next(iter(prof.traces.values()), None)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "moespec.profile",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **description,
+        "options": options,
+        "link": {"measured_gbps": link.gbps, "emulated_gbps": link.emulated_gbps, "pinned": link.pinned,
+                 "method": f"{method}; {link.copies} copies of one expert ({link.bytes_per_copy} bytes)"},
+        "trace": {"source": first.source if first else "", "gen": cfg.gen,
+                  "prompts": [{"prompt_len": p, "token_sha256": t.sha256()} for p, t in prof.traces.items()]},
+        "results": results,
+    }
+
+
+def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "--out") -> None:
+    """Refuse an output path before any work is done: it exists (without ``force``) or its folder is not writable.
+
+    Raises:
+        OutputError: names the path and the flag.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise OutputError(f"{flag} {p} is a folder", f"give {flag} a file name")
+    if p.exists() and not force:
+        raise OutputError(f"{flag} {p} exists already", "pass --force to overwrite it, or choose another path")
+    parent = next((q for q in [p.parent, *p.parent.parents] if q.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"{flag} {p}: {parent} is not writable", f"choose a writable {flag} path")
+
+
+def write_json(path: str | os.PathLike, obj: dict, force: bool) -> None:
+    """Write ``obj`` as indented JSON atomically."""
+    with atomic_path(path, force=force) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+
+
+def load_report(path: str | os.PathLike) -> dict:
+    """Read and validate a saved report.
+
+    Raises:
+        DataError: unreadable, not JSON, another schema version, or invalid (names the first problems).
+    """
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot read a profile report ({exc})", "pass a file written by `moespec profile --out`") from None
+    if not isinstance(obj, dict) or obj.get("kind") != "moespec.profile":
+        raise DataError(f"{path} is not a moespec profile report", "pass a file written by `moespec profile --out`")
+    if obj.get("schema_version") != SCHEMA_VERSION:
+        raise DataError(f"{path} has schema_version {obj.get('schema_version')!r}; this moespec reads {SCHEMA_VERSION}",
+                        "re-run `moespec profile` with this version")
+    errs = validate(obj)
+    if errs:
+        raise DataError(f"{path} is not a valid profile report: {'; '.join(errs[:3])}")
+    return obj

@@ -1,0 +1,270 @@
+"""Running strategies on one trace: cold start, warm-up, interleaved repeats, per-step records.
+
+For each prompt length: the `exact` run records the trace (trace.py); every strategy then runs
+one untimed warm-up (prefill + a few decode steps); then ``repeats`` rounds run every strategy
+once each, interleaved (none, router, ..., none, router, ...) so slow drift of the machine hits
+all strategies alike. Every run starts cold (empty KV cache and expert cache). Clocks are read
+only after the device was synchronised (the recorder does it at the end of each step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moespec.config import ExecuteMode, Predictor
+from moespec.predict.base import NextLayerPredictor
+from moespec.predict.oracle import OraclePredictor
+from moespec.profile.bounds import StepBounds, step_bounds
+from moespec.profile.probes import CopyLog, LayerTimer, installed
+from moespec.profile.trace import (TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
+                                   token_sha256)
+from moespec.runtime.stats import LayerStats, StatsRecorder
+from moespec.runtime.transfer import Span
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile.
+
+    Attributes:
+        strategies: predictors to compare (ORACLE replays the exact run's routing).
+        prompt_lens: prompt lengths P, one trace each.
+        gen: N decode steps per run (teacher-forced).
+        repeats: timed runs per strategy and prompt length.
+        warmup_steps: decode steps of the untimed warm-up run.
+        execute: execution mode of every strategy run.
+        data: text file for the prompt (None = shipped text).
+        seed: seed for prompt ids when the model has no tokenizer.
+        timeline: record a timeline of one decode step per strategy (``--trace``).
+    """
+
+    strategies: tuple[Predictor, ...]
+    prompt_lens: tuple[int, ...]
+    gen: int = 32
+    repeats: int = 3
+    warmup_steps: int = 2
+    execute: ExecuteMode = ExecuteMode.EXACT
+    data: str | None = None
+    seed: int = 0
+    timeline: bool = False
+
+
+@dataclass
+class StepRecord:
+    """One timed decode step.
+
+    Attributes:
+        wall_ms: step wall time.
+        layers: MoE layer -> its LayerStats.
+        layer_ms: decoder layer -> wall time.
+        copy_busy_ms, copy_bytes: link time and bytes of the copies of this step.
+        top1: the next-token prediction equals the exact run's.
+        kl: KL(exact || strategy) of the final logits, nats.
+        bounds: on-demand / floor times.
+    """
+
+    wall_ms: float
+    layers: dict[int, LayerStats]
+    layer_ms: dict[int, float]
+    copy_busy_ms: float
+    copy_bytes: int
+    top1: bool
+    kl: float
+    bounds: StepBounds
+
+
+@dataclass
+class RunRecord:
+    """One timed run of one strategy on one trace."""
+
+    strategy: str
+    prompt_len: int
+    repeat: int
+    ttft_ms: float
+    steps: list[StepRecord]
+    token_sha256: str
+
+
+@dataclass
+class Timeline:
+    """One decode step on a common clock, in ms from the step's start.
+
+    Attributes:
+        layers: (decoder layer, start_ms, dur_ms).
+        inner: (decoder layer, "stall" | "experts", start_ms, dur_ms) inside the MoE block.
+        copies: (layer, expert, "demand" | "prefetch", start_ms, dur_ms, nbytes).
+    """
+
+    strategy: str
+    prompt_len: int
+    step: int
+    wall_ms: float
+    layers: list[tuple[int, float, float]] = field(default_factory=list)
+    inner: list[tuple[int, str, float, float]] = field(default_factory=list)
+    copies: list[tuple[int, int, str, float, float, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """Host-to-device bandwidth measured once per profile (expert-sized copies)."""
+
+    gbps: float
+    emulated_gbps: float | None
+    pinned: bool
+    copies: int
+    bytes_per_copy: int
+
+
+@dataclass
+class ProfileRun:
+    """Everything measured: the link, the traces (by prompt length) and the timed runs."""
+
+    link: LinkMeasurement
+    traces: dict[int, TokenTrace]
+    runs: list[RunRecord]
+    timelines: list[Timeline]
+
+
+class _SpanKeepingRecorder(StatsRecorder):
+    """A StatsRecorder that also keeps the raw spans of one chosen step (for the timeline)."""
+
+    def __init__(self, synchronize) -> None:
+        super().__init__(synchronize)
+        self.keep = False
+        self.kept: list[tuple[int, str, Span]] = []
+        self._layer_of: dict[int, int] = {}
+
+    def layer(self, layer: int) -> LayerStats:
+        stats = super().layer(layer)
+        self._layer_of[id(stats)] = layer
+        return stats
+
+    def span(self, stats: LayerStats, name: str, span: Span | None) -> None:
+        super().span(stats, name, span)
+        if self.keep and span is not None:
+            self.kept.append((self._layer_of.get(id(stats), -1), name, span))
+
+
+def measure_link(om, copies: int = 8) -> LinkMeasurement:
+    """Copy ``copies`` experts into a scratch device buffer through the runtime's transfer engine."""
+    eng = om.cache.engine
+    store = om.store
+    scratch = torch.empty_like(om.cache.slots[0])  # [P]
+    layer = store.moe_layers[0]
+    eng.submit(scratch, store.expert(layer, 0), 0)  # first copy pays one-time costs: untimed
+    eng.synchronize()
+    busy0 = eng.busy_seconds()
+    n = min(copies, store.num_experts)
+    for e in range(n):
+        eng.submit(scratch, store.expert(layer, e), 0)
+    eng.synchronize()
+    busy = eng.busy_seconds() - busy0
+    gbps = n * store.expert_bytes / busy / 1e9 if busy > 0 else float("inf")
+    return LinkMeasurement(gbps=gbps, emulated_gbps=om.runtime_config.link_gbps, pinned=store.pinned,
+                           copies=n, bytes_per_copy=store.expert_bytes)
+
+
+def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(softmax(ref) || softmax(logits)) in nats; both [V]."""
+    p_log = torch.log_softmax(ref_logits.double(), dim=-1)
+    q_log = torch.log_softmax(logits.double().cpu(), dim=-1)
+    return float((p_log.exp() * (p_log - q_log)).sum())
+
+
+def _timeline(strategy: str, prompt_len: int, step: int, wall_ms: float, ref, spans, kept, copies) -> Timeline:
+    tl = Timeline(strategy, prompt_len, step, wall_ms)
+    at = lambda t: Span(ref, t).ms()  # noqa: E731 - ms from the step's start
+    tl.layers = [(layer, at(s.start), s.ms()) for layer, s in spans]
+    names = {"stall_ms": "stall", "compute_ms": "experts"}
+    tl.inner = [(layer, names.get(name, name), at(s.start), s.ms()) for layer, name, s in kept]
+    tl.copies = [(c.layer, c.expert, c.kind, at(c.ticket.start), Span(c.ticket.start, c.ticket.end).ms(),
+                  c.ticket.nbytes) for c in copies if c.ticket.start is not None]
+    return tl
+
+
+def _run(om, engine, trace: TokenTrace, strategy: str, predictor: NextLayerPredictor, cfg: ProfileConfig,
+         timer: LayerTimer, log: CopyLog, link_gbps: float, n_steps: int, repeat: int,
+         timeline_step: int | None) -> tuple[RunRecord, Timeline | None]:
+    rec = _SpanKeepingRecorder(synchronize=log.synchronize)
+    cold_start(om, engine, predictor, cfg.execute)
+    om.set_recorder(rec)
+    expert_bytes = om.store.expert_bytes
+    engine.forward(trace.prompt, "prefill")
+    ttft = rec.steps[-1].wall_ms
+    timer.take()
+    log.take()
+    steps, timeline = [], None
+    for i in range(n_steps):
+        if isinstance(predictor, OraclePredictor):
+            predictor.step = i
+        rec.keep = i == timeline_step
+        busy0, bytes0 = log.busy_seconds(), log.bytes_moved
+        ref = log.mark()
+        logits = engine.forward([trace.decode[i]], "decode")  # [V]; end_step synchronised
+        st = rec.steps[-1]
+        spans, copies = timer.take(), log.take()
+        layer_ms = {layer: s.ms() for layer, s in spans}
+        bounds = step_bounds(
+            st.wall_ms, layer_ms, {layer: s.stall_ms for layer, s in st.layers.items()},
+            {layer: s.misses + s.prefetch_used for layer, s in st.layers.items()}, expert_bytes, link_gbps)
+        ref_logits = trace.logits[i]
+        steps.append(StepRecord(
+            wall_ms=st.wall_ms, layers=st.layers, layer_ms=layer_ms,
+            copy_busy_ms=(log.busy_seconds() - busy0) * 1e3, copy_bytes=log.bytes_moved - bytes0,
+            top1=int(torch.argmax(logits)) == int(torch.argmax(ref_logits)), kl=_kl(ref_logits, logits),
+            bounds=bounds))
+        if rec.keep:
+            timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
+            rec.keep = False
+    sha = token_sha256(trace.prompt, trace.decode[:n_steps])
+    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha), timeline
+
+
+def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],
+                progress: Callable[[str], None] = lambda msg: None) -> ProfileRun:
+    """Profile ``predictors`` (strategy name -> predictor; "oracle" is built here) on ``om``.
+
+    Raises:
+        DataError, PromptError: unreadable --data, prompt beyond the context.
+    """
+    from moespec.runtime.engine import Engine
+
+    engine = Engine(om)
+    link = measure_link(om)
+    progress(f"link: {link.gbps:.3g} GB/s measured ({link.copies} copies of {link.bytes_per_copy / 1e6:.2f} MB)")
+    text, source = load_text(cfg.data)
+    refs = list(om.runner.predictor.refs.values())
+    names = [s.value for s in cfg.strategies]
+    traces, runs, timelines = {}, [], []
+    saved = (om.runner.predictor, om.runner.execute, om.recorder)
+    with installed(om) as (timer, log):
+        try:
+            for plen in cfg.prompt_lens:
+                prompt = prompt_tokens(tokenizer, text, plen, int(om.config.get_text_config().vocab_size), cfg.seed)
+                progress(f"prompt {plen}: exact run (records the trace)")
+                trace = record_trace(om, engine, prompt, cfg.gen, source)
+                traces[plen] = trace
+                preds = dict(predictors)
+                if "oracle" in names:
+                    preds["oracle"] = OraclePredictor(om.adapter, refs, trace.routings)
+                for name in names:
+                    progress(f"prompt {plen}: warm-up {name}")
+                    _run(om, engine, trace, name, preds[name], cfg, timer, log, link.gbps,
+                         min(cfg.warmup_steps, cfg.gen), -1, None)
+                for r in range(cfg.repeats):
+                    for name in names:
+                        progress(f"prompt {plen}: {name} repeat {r + 1}/{cfg.repeats}")
+                        want = cfg.timeline and plen == cfg.prompt_lens[0] and r == cfg.repeats - 1
+                        run, tl = _run(om, engine, trace, name, preds[name], cfg, timer, log, link.gbps,
+                                       cfg.gen, r, cfg.gen // 2 if want else None)
+                        runs.append(run)
+                        if tl is not None:
+                            timelines.append(tl)
+        finally:
+            om.runner.reset_step()
+            om.runner.predictor, om.runner.execute = saved[0], saved[1]
+            om.set_recorder(saved[2])
+    return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines)
