@@ -91,8 +91,13 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
     from moespec.runtime.stats import StatsRecorder
 
     if model is None:
-        from moespec.default_model import ensure_default_model
+        try:
+            from moespec.default_model import ensure_default_model
+        except ImportError:
+            from moespec.errors import ModelNotFoundError
 
+            raise ModelNotFoundError("this build has no embedded default model",
+                                     "pass MODEL: a local folder or a Hub id (`moespec download MODEL`)") from None
         path = ensure_default_model(None if quiet else err_console)
     else:
         path = resolve_model(model)
