@@ -84,3 +84,21 @@ def test_reference_moe_matches_cached_compute():
         cache.release(got.slot)
     assert torch.allclose(out, want, atol=1e-6)
     engine.close()
+
+
+def test_decode_fast_path_equals_general_path():
+    """decode_contribution (host-known position) == weighted_contribution (torch.where) bit for bit."""
+    from moespec.models.base import ExpertLayout, Routing
+    from moespec.runtime.experts import decode_contribution, weighted_contribution
+
+    torch.manual_seed(1)
+    layout = ExpertLayout(hidden=8, intermediate=4)
+    gate_up, down = layout.unpack(torch.randn(layout.numel))
+    x = torch.randn(1, 8)
+    routing = Routing(ids=torch.tensor([[3, 1, 6]]), weights=torch.rand(1, 3))
+    act = torch.nn.functional.silu
+    for k, e in enumerate([3, 1, 6]):
+        fast = decode_contribution(x, routing, k, gate_up, down, act)
+        slow = weighted_contribution(x, routing, e, gate_up, down, act)
+        for a, b in zip(fast, slow):
+            assert torch.equal(a, b)

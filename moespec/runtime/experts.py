@@ -43,6 +43,23 @@ def weighted_contribution(x: torch.Tensor, routing: Routing, expert: int, gate_u
     return tok, y, y * routing.weights[tok, kpos, None]
 
 
+def decode_contribution(x: torch.Tensor, routing: Routing, k: int, gate_up: torch.Tensor, down: torch.Tensor,
+                        act) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fast path of :func:`weighted_contribution` for one token whose k-th expert is known on the host.
+
+    Avoids the data-dependent ``torch.where`` (a device sync on CUDA) per expert.
+
+    Args:
+        x: [1, H]; k: position of the expert in routing.ids[0].
+
+    Returns:
+        (token_idx [1], raw output [1, H], gated output [1, H]).
+    """
+    y = expert_forward(x, gate_up, down, act)  # [1, H]
+    tok = torch.zeros(1, dtype=torch.long, device=x.device)
+    return tok, y, y * routing.weights[0, k]
+
+
 def reference_moe(x: torch.Tensor, routing: Routing, store_rows: torch.Tensor, layout: ExpertLayout,
                   act) -> torch.Tensor:
     """Slow reference: the routed MoE output straight from a layer's host rows, no cache.

@@ -24,7 +24,7 @@ from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
-from moespec.runtime.experts import weighted_contribution
+from moespec.runtime.experts import decode_contribution, weighted_contribution
 from moespec.runtime.guard import guard_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
 
@@ -146,7 +146,9 @@ class MoeLayerRunner:
                  decode: bool) -> torch.Tensor:
         layer = block.layer
         cache, rec = self.cache, self.recorder
-        experts = sorted(set(routing.ids.flatten().tolist()))
+        host_ids = routing.ids.tolist()  # [T][K] on the host: one sync per layer
+        experts = sorted({e for row in host_ids for e in row})
+        k_of = {e: k for k, e in enumerate(host_ids[0])} if len(host_ids) == 1 else None
         kept_prefetch = self._release_unused_prefetch(layer, set(experts), stats)
         # Resident experts first (no wait), then misses in id order.
         resident = cache.resident_experts(layer)
@@ -179,7 +181,10 @@ class MoeLayerRunner:
             rec.span(stats, "stall_ms", cache.wait(slot))
             t0 = self.cache.engine.mark() if rec.enabled else None
             gate_up, down = cache.weights(slot)
-            tok, raw, y = weighted_contribution(x, routing, e, gate_up, down, block.act_fn)
+            if k_of is not None:  # one token: its top-k position is known on the host
+                tok, raw, y = decode_contribution(x, routing, k_of[e], gate_up, down, block.act_fn)
+            else:
+                tok, raw, y = weighted_contribution(x, routing, e, gate_up, down, block.act_fn)
             if self.observer is not None:
                 self.observer.expert_output(layer, e, tok, raw)
             parts.append((e, tok, y))
