@@ -60,6 +60,10 @@ class RuntimeConfig:
         fetch_threshold: τ of the guarded mode, in renormalised gate weight (0 = exact, >1 never fetch).
         link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
         calibration_path: calibration file for the quasi predictor (None = look next to the model).
+        estimator_path: estimator file for the estimator/hybrid predictors (None = found automatically).
+        expert_dtype: "auto" keeps the checkpoint's expert format (GPT-OSS MXFP4 stays packed in host
+            memory and is dequantised on the device after each copy); a dtype name (e.g. "bf16")
+            dequantises packed experts once at load into that dtype, which must be the compute dtype.
     """
 
     device: str = "cpu"
@@ -71,6 +75,8 @@ class RuntimeConfig:
     fetch_threshold: float = 0.1
     link_gbps: float | None = None
     calibration_path: str | None = None
+    estimator_path: str | None = None
+    expert_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cache_experts is not None and self.cache_experts < 1:

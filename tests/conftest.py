@@ -41,3 +41,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+ADAPTER_FAMILIES = ["gpt_oss", "gpt_oss_mxfp4", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
+
+
+@pytest.fixture(scope="session")
+def adapter_models(tmp_path_factory) -> dict[str, Path]:
+    """GPT-OSS (dense and MXFP4 experts), DeepSeek-V2/V3 and GLM-4.7-Flash tiny checkpoints (3 layers, 8 experts)."""
+    from tiny import make_mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("adapters")
+    out = {f: make_checkpoint(root / f, f, seed=10 + i) for i, f in enumerate(ADAPTER_FAMILIES) if f != "gpt_oss_mxfp4"}
+    out["gpt_oss_mxfp4"] = make_mxfp4_checkpoint(root / "gpt_oss_mxfp4", seed=20)
+    return out

@@ -36,7 +36,8 @@ def make_tokenizer(folder: Path):
 
 def make_config(family: str, hidden: int = 32, inter: int = 16, layers: int = 3, experts: int = 8,
                 top_k: int = 2, vocab: int = 260, **extra):
-    """A tiny config of ``family`` (qwen3_moe, qwen2_moe, mixtral, olmoe)."""
+    """A tiny config of ``family`` (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, deepseek_v2, deepseek_v3,
+    glm4_moe_lite). DeepSeek/GLM: layer 0 is dense, 4 groups of 2 experts (V3: top-2 groups)."""
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
@@ -53,6 +54,31 @@ def make_config(family: str, hidden: int = 32, inter: int = 16, layers: int = 3,
         return MixtralConfig(intermediate_size=inter, num_local_experts=experts, **common)
     if family == "olmoe":
         return OlmoeConfig(intermediate_size=inter, num_experts=experts, norm_topk_prob=False, **common)
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        common.setdefault("sliding_window", 4)  # short, so decoding crosses the window
+        return GptOssConfig(intermediate_size=inter, num_local_experts=experts, head_dim=hidden // 4, **common)
+    return _make_deepseek_config(family, hidden, inter, experts, common)
+
+
+def _make_deepseek_config(family: str, hidden: int, inter: int, experts: int, common: dict):
+    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeLiteConfig
+
+    mla = dict(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, intermediate_size=2 * inter,
+               moe_intermediate_size=inter, n_routed_experts=experts, n_shared_experts=1, rope_interleave=True)
+    common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    if family == "deepseek_v3":
+        return DeepseekV3Config(**{**dict(q_lora_rank=16, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True), **mla, **common})
+    if family == "glm4_moe_lite":
+        layers = common["num_hidden_layers"]
+        return Glm4MoeLiteConfig(**{**dict(q_lora_rank=16, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+                                           mlp_layer_types=["dense"] + ["sparse"] * (layers - 1)), **mla, **common})
+    if family == "deepseek_v2":
+        return DeepseekV2Config(**{**dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                          topk_group=2, first_k_dense_replace=1, routed_scaling_factor=1.5),
+                                   **mla, **common})
     raise ValueError(family)
 
 
@@ -68,9 +94,12 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0, shard_size: str | 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0, 0.5 if name.endswith("gate.weight") else 0.08)
+            p.normal_(0, 0.5 if name.endswith(("gate.weight", "router.weight")) else 0.08)
             if "norm" in name:
                 p.fill_(1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3/GLM: selection-only bias
+                b.normal_(0, 0.3)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, **kwargs)
     make_tokenizer(folder)
@@ -82,3 +111,29 @@ def reference_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
+    """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
+
+    Random FP4 codes and exponents near 2^-5; biases stay float. H and I must be multiples of 32.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = {"hidden": 32, "inter": 32, **cfg}
+    make_checkpoint(folder, "gpt_oss", seed=seed, **cfg)
+    g = torch.Generator().manual_seed(seed + 100)
+    sd = load_file(folder / "model.safetensors")
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = sd.pop(name).shape  # transformers' [E, H, 2I] / [E, I, H]: rows are the outputs
+        sd[f"{name}_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        sd[f"{name}_scales"] = torch.randint(121, 125, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import CacheExperts, Device, Dtype, GpuMemory, Seed, err_console, handles_errors
+from moespec.cli.common import CacheExperts, Device, Dtype, ExpertDtype, GpuMemory, Seed, err_console, handles_errors
 
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
@@ -42,6 +42,7 @@ def calibrate(
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
     dtype: str = Dtype,
+    expert_dtype: str = ExpertDtype,
     seed: int = Seed,
 ) -> None:
     import time
@@ -58,7 +59,8 @@ def calibrate(
     from moespec.runtime.offload import load_offloaded
 
     cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
-    rcfg = build_runtime_config(device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+    rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory,
+                                cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, FetchThreshold, GpuMemory, LinkGbps, Seed,
+from moespec.cli.common import (CacheExperts, Device, Dtype, ExpertDtype, FetchThreshold, GpuMemory, LinkGbps, Seed,
                                 err_console, handles_errors)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
@@ -47,6 +47,7 @@ def chat(
     fetch_threshold: float = FetchThreshold,
     device: str = Device,
     dtype: str = Dtype,
+    expert_dtype: str = ExpertDtype,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
@@ -66,7 +67,7 @@ def chat(
 
         raise PromptError("--prompt is empty", "pass some text, e.g. --prompt \"What is 2+2?\"")
     cfg = build_runtime_config(
-        device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=enum_option(Predictor, predictor, "--predictor"), execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration,
     )

@@ -45,6 +45,9 @@ GpuMemory = typer.Option(None, "--gpu-memory", help="Device bytes for the expert
 CacheExperts = typer.Option(None, "--cache-experts", help="Number of expert slots in the device cache.")
 Device = typer.Option("auto", "--device", help="cpu, cuda or cuda:N; auto picks cuda when present.")
 Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")
+ExpertDtype = typer.Option("auto", "--expert-dtype",
+                           help="auto keeps packed experts (GPT-OSS MXFP4) packed in host memory and dequantises "
+                                "them on the device after each copy; bf16 (= --dtype) dequantises once at load.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
 FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
 Seed = typer.Option(0, "--seed", help="Random seed.")

@@ -26,7 +26,8 @@ def enum_option(kind: type[E], value: str, flag: str) -> E:
 
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
-                         link_gbps: Optional[float], calibration: Optional[str] = None) -> RuntimeConfig:
+                         link_gbps: Optional[float], calibration: Optional[str] = None,
+                         expert_dtype: str = "auto") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     Raises:
@@ -39,4 +40,5 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
         cache_experts=cache_experts, predictor=predictor, execute=execute,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
+        expert_dtype=expert_dtype,
     )

@@ -5,15 +5,16 @@ them into bytes with the checkpoint's dtype. The number that bounds offloaded de
 zero-cache H2D bytes per decode token: with no expert cached, every MoE layer copies its K routed
 experts, so ``num_moe_layers × K × expert_bytes`` cross the link for each generated token.
 
-Adding a family (notes for gpt_oss, deepseek_v2/v3, glm4_moe_lite):
-  - gpt_oss: experts carry biases (gate_up bias 2I, down bias H) and ship as MXFP4 blocks+scales
-    (~4.25 bits/param), so bytes per expert must come from the quantization_config, not the dtype;
-    attention has sinks (one per head) and biases.
-  - deepseek_v2/v3, glm4_moe_lite: the first ``first_k_dense_replace`` layers are dense MLPs;
-    ``n_routed_experts`` E, ``n_shared_experts × moe_intermediate_size`` shared (dense) width;
-    MLA attention (q_lora_rank may be None, kv_lora_rank, qk_rope/nope head dims, v_head_dim);
-    an e_score_correction_bias [E] per MoE layer; v3 may hold an MTP layer beyond num_hidden_layers.
-Each needs a ``_count_<family>`` returning :class:`ParamCounts`, a test against the transformers
+Families that differ:
+  - gpt_oss: experts carry biases (gate_up bias 2I, down bias H) and ship as MXFP4 blocks + scales
+    (4.25 bits per weight, biases in the checkpoint dtype), so the bytes of one expert follow the
+    quantization_config, not the dtype (``expert_dtype`` asks for the dequantised size instead);
+    attention has biases and one sink per head.
+  - deepseek_v2/v3, glm4_moe_lite: MLA attention; the first layers are dense MLPs
+    (first_k_dense_replace, or mlp_layer_types); n_shared_experts × moe_intermediate_size shared
+    (dense) width; the router's e_score_correction_bias is a buffer and not counted; an MTP layer
+    beyond num_hidden_layers (V3) is not counted: transformers does not build it.
+Each family has a ``_count_<family>`` returning :class:`ParamCounts`, a test against the transformers
 model built from a tiny config (tests/test_hub_sizes.py), and an entry in ``_FAMILIES``.
 """
 
@@ -38,6 +39,7 @@ class ParamCounts:
         top_k: K, experts a token is routed to.
         dense_params: everything else: embeddings, attention, norms, routers, shared experts,
             dense MLP layers and lm_head.
+        expert_bias_params: the part of expert_params that are biases (never quantised).
     """
 
     expert_params: int
@@ -45,6 +47,7 @@ class ParamCounts:
     num_experts: int
     top_k: int
     dense_params: int
+    expert_bias_params: int = 0
 
     @property
     def total_expert_params(self) -> int:
@@ -64,22 +67,27 @@ class ModelSizes:
         dtype: the weights' dtype name (e.g. "bfloat16").
         bytes_per_param: 2 for bf16/fp16, 4 for fp32.
         params: the parameter counts.
+        expert_format: "mxfp4" when experts are kept packed (GPT-OSS checkpoints), else the dtype.
     """
 
     model_type: str
     dtype: str
     bytes_per_param: int
     params: ParamCounts
+    expert_format: str = ""
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of ONE routed expert: the unit one host-to-device copy moves."""
+        """Bytes of ONE routed expert: the unit one host-to-device copy moves (stored = moved)."""
+        if self.expert_format == "mxfp4":  # 4 bits per weight + one 8-bit scale per 32; biases unquantised
+            weights = self.params.expert_params - self.params.expert_bias_params
+            return weights // 2 + weights // 32 + self.params.expert_bias_params * self.bytes_per_param
         return self.params.expert_params * self.bytes_per_param
 
     @property
     def experts_bytes(self) -> int:
         """Bytes of all routed experts of all MoE layers (what lives in host memory)."""
-        return self.params.total_expert_params * self.bytes_per_param
+        return self.expert_bytes * self.params.num_experts * self.params.num_moe_layers
 
     @property
     def dense_bytes(self) -> int:
@@ -171,11 +179,50 @@ def _count_every_layer_moe(c: Mapping[str, Any], qk_norm: str) -> ParamCounts:
     return ParamCounts(3 * h * _get(c, "intermediate_size"), n_layers, e, _get(c, "num_experts_per_tok"), dense)
 
 
+def _count_gpt_oss(c: Mapping[str, Any]) -> ParamCounts:
+    """Differs: biased attention with sinks, a biased router, experts with biases (width intermediate_size)."""
+    h, i, n_layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    e = _get(c, "num_local_experts", "num_experts")
+    attention = _attention_params({**c, "attention_bias": c.get("attention_bias", True)}, False, "")
+    per_layer = attention + c["num_attention_heads"] + 2 * h + e * h + e  # + sinks, norms, router weight + bias
+    bias = 2 * i + h
+    return ParamCounts(3 * h * i + bias, n_layers, e, _get(c, "num_experts_per_tok", "experts_per_token"),
+                       _embeddings_params(c) + n_layers * per_layer, expert_bias_params=bias)
+
+
+def _mla_params(c: Mapping[str, Any]) -> int:
+    """DeepSeek multi-head latent attention of one layer (q low-rank when q_lora_rank is set)."""
+    h, heads, bias = c["hidden_size"], c["num_attention_heads"], 1 if c.get("attention_bias") else 0
+    nope, rope, v, kv_rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    q_rank = c.get("q_lora_rank")
+    q = h * heads * (nope + rope) if not q_rank else (h + bias) * q_rank + q_rank + q_rank * heads * (nope + rope)
+    kv = (h + bias) * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v)
+    return q + kv + heads * v * h + bias * h
+
+
+def _count_deepseek(c: Mapping[str, Any]) -> ParamCounts:
+    """DeepSeek-V2/V3 and GLM-4.7-Flash: MLA, leading dense layers, shared experts."""
+    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    e, i_exp = _get(c, "n_routed_experts"), _get(c, "moe_intermediate_size")
+    kinds = c.get("mlp_layer_types") or (
+        ["dense"] * min(c.get("first_k_dense_replace") or 0, n_layers)
+        + ["sparse"] * max(n_layers - (c.get("first_k_dense_replace") or 0), 0))
+    n_moe = kinds.count("sparse")
+    dense = _embeddings_params(c) + n_layers * (_mla_params(c) + 2 * h)
+    dense += (n_layers - n_moe) * 3 * h * _get(c, "intermediate_size")  # dense MLP layers
+    dense += n_moe * (e * h + 3 * h * i_exp * (c.get("n_shared_experts") or 0))  # router + shared experts
+    return ParamCounts(3 * h * i_exp, n_moe, e, _get(c, "num_experts_per_tok"), dense)
+
+
 _FAMILIES: dict[str, Callable[[Mapping[str, Any]], ParamCounts]] = {
     "qwen3_moe": _count_qwen3_moe,
     "qwen2_moe": _count_qwen2_moe,
     "mixtral": lambda c: _count_every_layer_moe(c, qk_norm=""),
     "olmoe": lambda c: _count_every_layer_moe(c, qk_norm="full"),
+    "gpt_oss": _count_gpt_oss,
+    "deepseek_v2": _count_deepseek,
+    "deepseek_v3": _count_deepseek,
+    "glm4_moe_lite": _count_deepseek,
 }
 
 
@@ -184,18 +231,21 @@ def sized_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_sizes(config: Mapping[str, Any]) -> ModelSizes:
+def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto") -> ModelSizes:
     """Compute the byte sizes of a checkpoint from its parsed config.json.
 
     The dtype is config's ``dtype`` (transformers 5) or ``torch_dtype``; bfloat16 when absent.
-    A VLM-style config with the text model under ``text_config`` is read from there.
+    A VLM-style config with the text model under ``text_config`` is read from there. Experts of an
+    MXFP4 checkpoint (quantization_config.quant_method) count packed, as moespec stores and moves
+    them, unless ``expert_dtype`` is not "auto" (``--expert-dtype``: dequantised at load to the dtype).
 
     Raises:
         UnsupportedModelError: the model_type has no size rule yet, or a needed field is missing.
     """
     model_type = str(config.get("model_type") or "")
     if model_type not in _FAMILIES and isinstance(config.get("text_config"), Mapping):
-        return model_sizes({**config["text_config"], **{k: config[k] for k in ("dtype", "torch_dtype") if k in config}})
+        outer = {k: config[k] for k in ("dtype", "torch_dtype", "quantization_config") if k in config}
+        return model_sizes({**config["text_config"], **outer}, expert_dtype)
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(
             f"no size rule for model_type {model_type!r}; known: {', '.join(sized_model_types())}",
@@ -208,7 +258,9 @@ def model_sizes(config: Mapping[str, Any]) -> ModelSizes:
         raise UnsupportedModelError(
             f"config.json of this {model_type} model lacks {exc.args[0]!r}", "re-download the model's config.json"
         ) from exc
-    return ModelSizes(model_type, dtype, _DTYPE_BYTES.get(dtype, 2), params)
+    quant = config.get("quantization_config") or {}
+    mxfp4 = expert_dtype == "auto" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
+    return ModelSizes(model_type, dtype, _DTYPE_BYTES.get(dtype, 2), params, "mxfp4" if mxfp4 else dtype)
 
 
 def format_bytes(n: int) -> str:

@@ -16,6 +16,10 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen1.5/Qwen2-MoE",
     "qwen3_moe": "Qwen3-MoE (e.g. Qwen3-30B-A3B)",
     "olmoe": "OLMoE",
+    "gpt_oss": "GPT-OSS (gpt-oss-20b, gpt-oss-120b)",
+    "deepseek_v2": "DeepSeek-V2 (e.g. DeepSeek-V2-Lite)",
+    "deepseek_v3": "DeepSeek-V3",
+    "glm4_moe_lite": "GLM-4.7-Flash",
 }
 
 

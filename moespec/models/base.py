@@ -3,8 +3,9 @@
 Shapes: T tokens, E experts, K top-k, H hidden, I expert intermediate.
 
 Experts in memory follow transformers 5's fused layout: gate_up_proj [E, 2I, H] (gate rows
-first, then up rows: "halves") and down_proj [E, H, I]. On disk most checkpoints keep one tensor
-per expert and projection; the adapter maps disk names to (layer, expert, part).
+first, then up rows: "halves") and down_proj [E, H, I]; the adapter's ExpertLayout (layout.py)
+says how one expert is packed and computed. On disk most checkpoints keep one tensor per expert
+and projection; the adapter maps disk names to (layer, expert, part).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Parts of an expert as stored on disk. "gate_up"/"down" with expert None are fused [E, ...] tensors.
+from moespec.models.layout import ExpertLayout
+
+# Parts of an expert as stored on disk. "gate_up"/"down" with expert None are fused [E, ...] tensors;
+# families with other parts (biases, MXFP4 blocks/scales) name them in their layout.
 PARTS = ("gate", "up", "down", "gate_up")
 
 
@@ -43,35 +47,12 @@ class ExpertKey:
     Attributes:
         layer: decoder layer index.
         expert: expert id, or None for a fused [E, ...] tensor.
-        part: one of PARTS.
+        part: one of PARTS, or a part the family's layout names.
     """
 
     layer: int
     expert: int | None
     part: str
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Packed layout of one expert in the host store: [gate_up (2I*H) | down (H*I)].
-
-    Attributes:
-        hidden: H.
-        intermediate: I (per expert).
-    """
-
-    hidden: int
-    intermediate: int
-
-    @property
-    def numel(self) -> int:
-        """Elements of one packed expert: 2*I*H + H*I."""
-        return 3 * self.hidden * self.intermediate
-
-    def unpack(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of a packed expert: gate_up [2I, H] and down [H, I] (no copy)."""
-        h, i = self.hidden, self.intermediate
-        return flat[: 2 * i * h].view(2 * i, h), flat[2 * i * h :].view(h, i)
 
 
 class MoeAdapter:
@@ -85,6 +66,10 @@ class MoeAdapter:
     disk_part_names: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     # Regex fragment of the MoE block's attribute name on disk (before renaming).
     disk_block_pattern: ClassVar[str] = r"mlp"
+    # Attribute of the router in the original block; the offloaded block always names it `gate`.
+    router_attr: ClassVar[str] = "gate"
+    # The original block returns (output, router_scores) rather than a tensor (GPT-OSS).
+    returns_router_scores: ClassVar[bool] = False
 
     def __init__(self, config) -> None:
         self.config = config
@@ -102,13 +87,25 @@ class MoeAdapter:
         """I: intermediate size of one routed expert."""
         return int(getattr(self.config, "moe_intermediate_size", None) or self.config.intermediate_size)
 
-    def layout(self) -> ExpertLayout:
-        """The packed layout of one expert."""
+    def layout(self, dtype: torch.dtype = torch.float32, expert_dtype: str = "auto") -> ExpertLayout:
+        """The packed layout of one expert for a model computing in ``dtype``.
+
+        ``expert_dtype`` matters only for families whose checkpoints ship packed experts (GPT-OSS
+        MXFP4): "auto" keeps the checkpoint's format, a dtype name dequantises once at load.
+        """
         return ExpertLayout(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate())
+
+    def expert_converter(self, layout: ExpertLayout):
+        """A callable (key, tensor, name) -> [(key, tensor, name), ...] applied to expert tensors at load.
+
+        The default passes every tensor through; GPT-OSS pairs MXFP4 blocks with scales and
+        dequantises them when the layout is dense.
+        """
+        return lambda key, tensor, name: [(key, tensor, name)]
 
     def is_moe_block(self, module: nn.Module) -> bool:
         """True when ``module`` (a decoder layer's mlp) is a sparse MoE block."""
-        return hasattr(module, "experts") and hasattr(module, "gate")
+        return hasattr(module, "experts") and hasattr(module, self.router_attr)
 
     # --- routing -------------------------------------------------------------------------
     def route(self, block: nn.Module, hidden: torch.Tensor) -> Routing:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from moespec.errors import UnsupportedModelError
 from moespec.models.base import MoeAdapter
+from moespec.models.deepseek import DeepseekV2Adapter, DeepseekV3Adapter
+from moespec.models.gpt_oss import GptOssAdapter
 from moespec.models.mixtral import MixtralAdapter
 from moespec.models.qwen2_moe import Qwen2MoeAdapter
 from moespec.models.qwen_moe import OlmoeAdapter, Qwen3MoeAdapter
 
-_ADAPTERS: tuple[type[MoeAdapter], ...] = (Qwen3MoeAdapter, Qwen2MoeAdapter, MixtralAdapter, OlmoeAdapter)
+_ADAPTERS: tuple[type[MoeAdapter], ...] = (Qwen3MoeAdapter, Qwen2MoeAdapter, MixtralAdapter, OlmoeAdapter,
+                                           GptOssAdapter, DeepseekV3Adapter, DeepseekV2Adapter)
 
 
 def supported_model_types() -> list[str]:

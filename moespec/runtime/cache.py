@@ -80,9 +80,9 @@ class ExpertCache:
         """Number of slots that a new copy could take now."""
         return len(self._lru)
 
-    def weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_up [2I, H] and down [H, I] views of ``slot``."""
-        return self.store.layout.unpack(self.slots[slot])
+    def row(self, slot: int) -> torch.Tensor:
+        """The packed expert [P] held in ``slot`` (read it through ``store.layout``)."""
+        return self.slots[slot]
 
     # --- pinning -------------------------------------------------------------------------
     def _pin(self, slot: int) -> None:

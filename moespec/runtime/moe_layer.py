@@ -180,11 +180,11 @@ class MoeLayerRunner:
             e, slot = in_flight.popleft()
             rec.span(stats, "stall_ms", cache.wait(slot))
             t0 = self.cache.engine.mark() if rec.enabled else None
-            gate_up, down = cache.weights(slot)
+            row, layout = cache.row(slot), cache.store.layout  # [P] packed expert, computed by its layout
             if k_of is not None:  # one token: its top-k position is known on the host
-                tok, raw, y = decode_contribution(x, routing, k_of[e], gate_up, down, block.act_fn)
+                tok, raw, y = decode_contribution(x, routing, k_of[e], row, layout, block.act_fn)
             else:
-                tok, raw, y = weighted_contribution(x, routing, e, gate_up, down, block.act_fn)
+                tok, raw, y = weighted_contribution(x, routing, e, row, layout, block.act_fn)
             if self.observer is not None:
                 self.observer.expert_output(layer, e, tok, raw)
             parts.append((e, tok, y))

@@ -30,26 +30,29 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class OffloadedMoeBlock(nn.Module):
-    """Replaces one sparse MoE block of a model instance; returns a tensor [B, S, H] as the original.
+    """Replaces one sparse MoE block of a model instance; returns what the original returns.
 
-    Keeps the original's router (``gate``) and shared parts under their original names, so the
-    checkpoint's dense tensor names still apply; the experts live in the host store instead.
+    Keeps the original's shared parts under their original names, so the checkpoint's dense tensor
+    names still apply; the router is always the child ``gate`` (GPT-OSS's ``router`` is registered
+    under that name and its adapter maps the checkpoint names). The experts live in the host store.
     """
 
-    def __init__(self, original: nn.Module, layer: int, runner: MoeLayerRunner) -> None:
+    def __init__(self, original: nn.Module, layer: int, runner: MoeLayerRunner, adapter: MoeAdapter) -> None:
         super().__init__()
         for name, child in original.named_children():
             if name != "experts":
-                self.add_module(name, child)
+                self.add_module("gate" if name == adapter.router_attr else name, child)
         self.layer = layer
-        self.act_fn = original.experts.act_fn
+        self.act_fn = getattr(original.experts, "act_fn", None)  # None: the layout has its own (GPT-OSS)
+        self._returns_scores = adapter.returns_router_scores
         self._runner = [runner]  # in a list: not a submodule, not in state_dict
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [B, S, H] (router input s_l) -> MoE output [B, S, H]."""
+    def forward(self, hidden_states: torch.Tensor):
+        """hidden_states [B, S, H] (router input s_l) -> MoE output [B, S, H] (GPT-OSS: (output, None))."""
         shape = hidden_states.shape
-        out = self._runner[0].run(self, hidden_states.reshape(-1, shape[-1]))  # [T, H]
-        return out.reshape(shape)
+        out = self._runner[0].run(self, hidden_states.reshape(-1, shape[-1])).reshape(shape)  # [B, S, H]
+        # GPT-OSS's decoder layer unpacks (output, router_scores) and discards the scores.
+        return (out, None) if self._returns_scores else out
 
 
 def resolve_device(name: str) -> torch.device:
@@ -198,7 +201,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     model.eval()
     moe_layers = _moe_layers(model, adapter)
 
-    store = ExpertStore(moe_layers, adapter.num_experts(), adapter.layout(), dtype, pin=device.type == "cuda")
+    layout = adapter.layout(dtype, cfg.expert_dtype)
+    store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda")
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), store.expert_bytes)
     engine = make_transfer_engine(device, slots, cfg.link_gbps)
     cache = ExpertCache(store, slots, device, engine)
@@ -208,7 +212,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     refs = []
     for i in moe_layers:
         layer = model.model.layers[i]
-        layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner)
+        layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner, adapter)
         # r_l is the input of the post-attention norm: capture it for the predictors.
         layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
         refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
@@ -231,18 +235,24 @@ def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, fil
 
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+    convert = adapter.expert_converter(store.layout)
     for name, tensor, file in iter_tensors(files):
         key = adapter.expert_key(name)
         if key is not None:
-            store.write(key.layer, key.expert, key.part, tensor, name)
+            for k, t, n in convert(key, tensor, name):
+                store.write(k.layer, k.expert, k.part, t, n)
             continue
         target = adapter.dense_name(name)
         if target not in params and target not in buffers:
             continue  # e.g. rotary inv_freq saved by old exports; transformers ignores these too
-        want = params[target].shape if target in params else buffers[target].shape
-        if tuple(tensor.shape) != tuple(want):
-            raise CheckpointError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
-        set_module_tensor_to_device(model, target, device, value=tensor, dtype=dtype)
+        skeleton = params[target] if target in params else buffers[target]
+        if tuple(tensor.shape) != tuple(skeleton.shape):
+            raise CheckpointError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(skeleton.shape)}")
+        # The skeleton's dtype is the model dtype except where transformers keeps float32
+        # (_keep_in_fp32_modules: DeepSeek/GLM router weights and e_score_correction_bias).
+        keep = skeleton.dtype if skeleton.is_floating_point() else dtype
+        set_module_tensor_to_device(model, target, device, value=tensor, dtype=keep)
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]

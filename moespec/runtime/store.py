@@ -1,8 +1,9 @@
 """ExpertStore: every expert of every MoE layer packed into ONE contiguous host buffer.
 
-Shapes: M MoE layers, E experts, P packed elements per expert (ExpertLayout.numel = 3*H*I).
+Shapes: M MoE layers, E experts, P packed elements per expert (ExpertLayout.numel; 3*H*I for SwiGLU).
 
-buffer [M, E, P]: one expert is one contiguous row, so one copy moves one expert. The buffer is
+buffer [M, E, P]: one expert is one contiguous row, so one copy moves one expert. Its element dtype
+is the layout's storage dtype (the model dtype, or uint8 for packed formats such as MXFP4). The buffer is
 pinned (page-locked) when the device is CUDA, so copies are asynchronous and run at full link
 speed; on a machine without an accelerator pin_memory raises, so it stays pageable there.
 """
@@ -22,7 +23,7 @@ class ExpertStore:
         moe_layers: decoder-layer indices of the MoE layers, in order (position m <-> layer index).
         num_experts: E.
         layout: packed layout of one expert.
-        dtype: element dtype of the store (the model's dtype).
+        dtype: the model's compute dtype (the row dtype is ``layout.storage_dtype(dtype)``).
         pin: page-lock the buffer (only when a CUDA device is used).
     """
 
@@ -32,10 +33,10 @@ class ExpertStore:
         self.position = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.num_experts = num_experts
         self.layout = layout
-        self.dtype = dtype
+        self.dtype = layout.storage_dtype(dtype)
         shape = (len(self.moe_layers), num_experts, layout.numel)
         # Pinned allocation needs a CUDA context; torch raises without one, hence the flag.
-        self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)  # [M, E, P]
+        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)  # [M, E, P]
         self.pinned = pin
         # Which parts of which expert have been written: loading checks nothing is missing.
         self._written: set[tuple[int, int, str]] = set()
@@ -59,39 +60,43 @@ class ExpertStore:
 
         Args:
             layer, expert: destination; expert None means a fused tensor over all experts.
-            part: "gate" / "up" [I, H], "down" [H, I], "gate_up" [2I, H] (halves: gate rows first);
-                with expert None each has a leading E dimension.
-            tensor: the checkpoint tensor (any float dtype; cast to the store dtype).
+            part: a part the layout places (``layout.disk_view``), e.g. "gate" / "up" [I, H], "down" [H, I],
+                "gate_up" [2I, H]; with expert None each has a leading E dimension.
+            tensor: the checkpoint tensor (float parts are cast to the store dtype; packed parts are copied).
             name: the checkpoint name, for error messages.
 
         Raises:
-            CheckpointError: unknown layer/expert or a shape that does not match (names both shapes).
+            CheckpointError: unknown layer/expert/part, a shape that does not match (names both shapes),
+                or float data for a packed part (and the reverse).
         """
         if layer not in self.position:
             raise CheckpointError(f"tensor {name} belongs to layer {layer}, which is not an MoE layer")
+        probe = self.layout.disk_view(self.expert(layer, 0), part)
+        if probe is None:
+            raise CheckpointError(f"tensor {name} ({part}) has no place in the {type(self.layout).__name__} layout",
+                                  "the checkpoint's expert format does not match its config.json")
         experts = range(self.num_experts) if expert is None else [expert]
-        h, i = self.layout.hidden, self.layout.intermediate
-        want = {"gate": (i, h), "up": (i, h), "down": (h, i), "gate_up": (2 * i, h)}[part]
+        want = tuple(probe.shape)
         if expert is None:
             want = (self.num_experts, *want)
         elif not 0 <= expert < self.num_experts:
             raise CheckpointError(f"tensor {name} names expert {expert}, but the model has {self.num_experts}")
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
+        if tensor.is_floating_point() != probe.is_floating_point():
+            raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected {probe.dtype}",
+                                  "the checkpoint's expert format does not match its config.json")
         for k, e in enumerate(experts):
             src = tensor[k] if expert is None else tensor
-            gate_up, down = self.layout.unpack(self.expert(layer, e))
-            dst = {"gate": gate_up[:i], "up": gate_up[i:], "down": down, "gate_up": gate_up}[part]
-            dst.copy_(src)
-            covered = ("gate", "up") if part == "gate_up" else (part,)
-            self._written.update((layer, e, p) for p in covered)
+            self.layout.disk_view(self.expert(layer, e), part).copy_(src)
+            self._written.update((layer, e, p) for p in self.layout.covers(part))
 
     def missing(self) -> list[str]:
         """Human-readable list of expert parts never written (empty when loading was complete)."""
         out = []
         for layer in self.moe_layers:
             for e in range(self.num_experts):
-                for p in ("gate", "up", "down"):
+                for p in self.layout.disk_parts:
                     if (layer, e, p) not in self._written:
                         out.append(f"layer {layer} expert {e} {p}")
         return out
