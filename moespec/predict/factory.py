@@ -1,20 +1,42 @@
 """Predictors that need a file made offline: `quasi` (calibration), `estimator` and `hybrid`.
 
 ``moespec.runtime.offload.make_predictor`` calls :func:`make_calibrated_predictor` for these
-kinds. Each kind has one builder in ``BUILDERS``; the estimator issue adds its builders there.
+kinds. Each kind has one builder in ``BUILDERS``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import CalibrationError, OptionError
 from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NextLayerPredictor
 
+if TYPE_CHECKING:
+    import torch
+
 Builder = Callable[[MoeAdapter, list[LayerRef], RuntimeConfig, Path], NextLayerPredictor]
+
+
+def _calibration_vectors(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
+                         model_path: Path) -> dict[int, "torch.Tensor"]:
+    """Decoder layer -> calibrated default vectors [E, H] (float32, on the routers' device).
+
+    Raises:
+        CalibrationError: no file (names `moespec calibrate MODEL`), corrupt, or made for another model.
+    """
+    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
+    from moespec.calibrate.locate import find_calibration, model_key
+
+    path = find_calibration(model_path, cfg.calibration_path)
+    calib = load_calibration(path)
+    layers = [r.layer for r in refs]
+    check_matches(calib, path, adapter.config, layers, router_fingerprint([r.block.gate.weight for r in refs]),
+                  model_key(model_path))
+    device = refs[0].block.gate.weight.device if refs else "cpu"
+    return {layer: calib.vectors[m].to(device) for m, layer in enumerate(layers)}  # [E, H] float32 each
 
 
 def build_quasi(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
@@ -23,30 +45,71 @@ def build_quasi(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, m
     Raises:
         CalibrationError: no file (names `moespec calibrate MODEL`), corrupt, or made for another model.
     """
-    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
-    from moespec.calibrate.locate import find_calibration, model_key
     from moespec.predict.quasi import QuasiPredictor
 
-    path = find_calibration(model_path, cfg.calibration_path)
-    calib = load_calibration(path)
-    layers = [r.layer for r in refs]
-    check_matches(calib, path, adapter.config, layers, router_fingerprint([r.block.gate.weight for r in refs]),
-                  model_key(model_path))
-    device = refs[0].block.gate.weight.device if refs else "cpu"
-    vectors = {layer: calib.vectors[m].to(device) for m, layer in enumerate(layers)}  # [E, H] float32 each
-    return QuasiPredictor(adapter, refs, vectors)
+    return QuasiPredictor(adapter, refs, _calibration_vectors(adapter, refs, cfg, model_path))
 
 
-def _needs_estimator(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
-    raise CalibrationError(f"--predictor {cfg.predictor.value} needs trained router estimators for this model",
-                           "run `moespec train-estimator MODEL` first, or use --predictor quasi or router")
+def build_estimator(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
+    """`estimator`: trained estimators wherever the file has them; `quasi` elsewhere when the model is
+    calibrated, else `router`.
+
+    Raises:
+        CalibrationError: no estimator file (names `moespec train-estimator MODEL`), corrupt, or another model's.
+    """
+    return _estimator_predictor(adapter, refs, cfg, model_path, hybrid=False)
 
 
-# Predictor kind -> builder. Extension point: `train-estimator` registers ESTIMATOR and HYBRID here.
+def build_hybrid(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
+    """`hybrid`: the per-layer choice `moespec train-estimator` recorded in the estimator file.
+
+    Raises:
+        CalibrationError: no estimator file, or a layer chose `quasi` and the calibration file is missing.
+    """
+    return _estimator_predictor(adapter, refs, cfg, model_path, hybrid=True)
+
+
+def _estimator_predictor(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path,
+                         hybrid: bool) -> NextLayerPredictor:
+    from moespec.calibrate.file import router_fingerprint
+    from moespec.calibrate.locate import model_key
+    from moespec.estimator.file import check_matches, find_estimator, load_estimator
+    from moespec.predict.estimator import EstimatorPredictor
+
+    path = find_estimator(model_path, cfg.estimator_path)
+    ef = load_estimator(path)
+    check_matches(ef, path, adapter.config, [r.layer for r in refs],
+                  router_fingerprint([r.block.gate.weight for r in refs]), model_key(model_path))
+    weight = refs[0].block.gate.weight
+    bank = ef.bank.to(device=weight.device, dtype=weight.dtype)
+    if hybrid:
+        modes = dict(ef.choice)
+        quasi = _calibration_vectors(adapter, refs, cfg, model_path) if "quasi" in modes.values() else None
+    else:
+        quasi = _calibration_vectors(adapter, refs, cfg, model_path) if _has_calibration(cfg, model_path) else None
+        fallback = "quasi" if quasi is not None else "router"
+        modes = {r.layer: "estimator" if r.layer in ef.layers else fallback for r in refs}
+    inputs = None
+    if ef.vectors is not None:
+        inputs = {layer: ef.vectors[i].to(weight.device) for i, layer in enumerate(ef.layers)}  # [E, H] each
+    return EstimatorPredictor(adapter, refs, bank, modes, inputs, quasi, name="hybrid" if hybrid else "estimator")
+
+
+def _has_calibration(cfg: RuntimeConfig, model_path: Path) -> bool:
+    from moespec.calibrate.locate import find_calibration
+
+    try:
+        find_calibration(model_path, cfg.calibration_path)
+    except CalibrationError:
+        return False
+    return True
+
+
+# Predictor kind -> builder.
 BUILDERS: dict[Predictor, Builder] = {
     Predictor.QUASI: build_quasi,
-    Predictor.ESTIMATOR: _needs_estimator,
-    Predictor.HYBRID: _needs_estimator,
+    Predictor.ESTIMATOR: build_estimator,
+    Predictor.HYBRID: build_hybrid,
 }
 
 

@@ -1,0 +1,196 @@
+"""The estimator file: safetensors tensors + one JSON metadata entry, written atomically.
+
+Shapes: S served layers, M MoE layers, E experts, H hidden.
+
+Tensors:
+  bank/<name>            the EstimatorBank's weights (fp32)
+  layers                 [S] int64     served decoder layers l (each predicts the next MoE layer)
+  moe_layers             [M] int64     every MoE layer of the model
+  vectors                [S, E, H] f32 default vectors of the served layers (input "quasi" only), so the
+                                       estimator input does not change when the model is calibrated again
+  recall/<predictor>     [M] f32       held-out recall@K per source layer (router, quasi, estimator; NaN = none)
+  weighted_recall/<p>    [M] f32       true gate mass covered
+  cost_ms/<predictor>    [M] f32       measured cost per decode token of the prediction made at that layer
+Metadata (key "moespec", JSON): format, version, model, config hash, router fingerprint, shape (H, E, m,
+n, shared), input ("quasi" or "router"), choice (source layer -> predictor, for `hybrid`), margin and
+link of the choice, training tokens, held-out tokens, training settings, data description, seed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moespec.errors import CalibrationError, OutputError
+from moespec.estimator.model import EstimatorBank, EstimatorShape
+
+FORMAT = "moespec.estimator"
+FORMAT_VERSION = 1
+META_KEY = "moespec"
+PREDICTORS = ("router", "quasi", "estimator")
+METRICS = ("recall", "weighted_recall", "cost_ms")
+
+
+@dataclass
+class EstimatorFile:
+    """Trained estimators and the hybrid choice of one model.
+
+    Attributes:
+        bank: the estimators (their ``layers`` are the served layers).
+        moe_layers: every MoE layer (M).
+        input: "quasi" or "router" (what the estimators read).
+        vectors: [S, E, H] default vectors of the served layers (input "quasi"), else None.
+        choice: source MoE layer -> "router" | "quasi" | "estimator" (every layer that has a next one).
+        metrics: "<metric>/<predictor>" -> [M] float32 (metric in METRICS).
+        meta: JSON-able metadata (model, config_hash, router_fingerprint, tokens, ...).
+    """
+
+    bank: EstimatorBank
+    moe_layers: list[int]
+    input: str
+    vectors: torch.Tensor | None
+    choice: dict[int, str]
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[int]:
+        """The served layers."""
+        return list(self.bank.layers)
+
+    def metric(self, metric: str, predictor: str, layer: int) -> float:
+        """One value (NaN when absent)."""
+        t = self.metrics.get(f"{metric}/{predictor}")
+        return float(t[self.moe_layers.index(layer)]) if t is not None else float("nan")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"bank/{k}": v.float() for k, v in self.bank.state_dict().items()}
+        out["layers"] = torch.tensor(self.layers, dtype=torch.int64)
+        out["moe_layers"] = torch.tensor(self.moe_layers, dtype=torch.int64)
+        if self.vectors is not None:
+            out["vectors"] = self.vectors.float()
+        out.update({k: v.float() for k, v in self.metrics.items()})
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def save_estimator(path: str | Path, ef: EstimatorFile) -> Path:
+    """Write ``ef`` to ``path`` atomically (an interrupted write leaves no partial file).
+
+    Raises:
+        OutputError: the path is not writable.
+    """
+    from safetensors.torch import save_file
+
+    from moespec.fsutil import atomic_path
+
+    meta = dict(ef.meta, format=FORMAT, format_version=FORMAT_VERSION, input=ef.input,
+                shape=ef.bank.shape.to_dict(), choice={str(k): v for k, v in sorted(ef.choice.items())})
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputError(f"--out {path} is a folder", "pass a file path, e.g. --out estimators.safetensors")
+    with atomic_path(path) as tmp:
+        try:
+            save_file(ef.tensors(), str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True)})
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {exc.strerror or exc}", "choose a writable --out path") from exc
+    return path
+
+
+def load_estimator(path: str | Path) -> EstimatorFile:
+    """Read an estimator file (weights on the CPU, fp32).
+
+    Raises:
+        CalibrationError: missing, unreadable, corrupt, not an estimator file, or a newer format.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path).expanduser()
+    redo = f"run `moespec train-estimator MODEL --out {path}` to write it again"
+    if not path.is_file():
+        raise CalibrationError(f"estimator file {path} does not exist", "run `moespec train-estimator MODEL` to make one")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})[META_KEY])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        raise CalibrationError(f"{path} is not a readable moespec estimator file ({exc})", redo) from exc
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != FORMAT:
+        raise CalibrationError(f"{path} is not a moespec estimator file (format {fmt!r})", redo)
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise CalibrationError(f"{path} has format version {meta['format_version']}; this moespec reads up to "
+                               f"{FORMAT_VERSION}", "upgrade moespec or train the estimators again")
+    try:
+        bank = EstimatorBank(EstimatorShape(**meta["shape"]), [int(x) for x in tensors["layers"].tolist()])
+        bank.load_state_dict({k[len("bank/"):]: v for k, v in tensors.items() if k.startswith("bank/")})
+        ef = EstimatorFile(
+            bank=bank.eval(),
+            moe_layers=[int(x) for x in tensors["moe_layers"].tolist()],
+            input=meta["input"],
+            vectors=tensors.get("vectors"),
+            choice={int(k): v for k, v in meta["choice"].items()},
+            metrics={k: v for k, v in tensors.items() if k.split("/", 1)[0] in METRICS},
+            meta=meta,
+        )
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise CalibrationError(f"{path} is an incomplete or inconsistent estimator file ({exc})", redo) from None
+    return ef
+
+
+def check_matches(ef: EstimatorFile, path: Path, config, moe_layers: list[int], fingerprint: str | None,
+                  model: str = "MODEL") -> None:
+    """Refuse an estimator file made for another model.
+
+    Raises:
+        CalibrationError: config hash, MoE layers, sizes or router weights differ.
+    """
+    from moespec.calibrate.file import config_hash
+
+    made_for = ef.meta.get("model", "another model")
+    hint = f"run `moespec train-estimator {model}` to train estimators for this model"
+    want = config_hash(config)
+    if ef.meta.get("config_hash") != want:
+        raise CalibrationError(f"estimator file {path} was made for {made_for} (config hash "
+                               f"{ef.meta.get('config_hash')}), not this model (config hash {want})", hint)
+    if ef.moe_layers != list(moe_layers) or ef.bank.shape.hidden != int(getattr(config, "hidden_size", ef.bank.shape.hidden)):
+        raise CalibrationError(f"estimator file {path} covers MoE layers {ef.moe_layers}, this model has {list(moe_layers)}", hint)
+    if fingerprint is not None and ef.meta.get("router_fingerprint") not in (None, fingerprint):
+        raise CalibrationError(f"estimator file {path} was made for {made_for}, whose router weights differ from this "
+                               "model's (same architecture, other weights: a fine-tune or another revision?)", hint)
+
+
+BESIDE_MODEL = "moespec-estimator.safetensors"
+
+
+def default_estimator_path(model_path: str | Path) -> Path:
+    """Where `moespec train-estimator` writes without --out, and where the runtime looks first."""
+    from moespec.calibrate.locate import model_key
+    from moespec.hub.artifacts import estimator_path
+
+    return estimator_path(model_key(model_path))
+
+
+def find_estimator(model_path: str | Path, explicit: str | Path | None = None) -> Path:
+    """The estimator file for the model at ``model_path`` (``explicit`` must exist when given).
+
+    Raises:
+        CalibrationError: no file found (the message names `moespec train-estimator MODEL`).
+    """
+    from moespec.calibrate.locate import model_key
+
+    key = model_key(model_path)
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise CalibrationError(f"estimator file {path} does not exist",
+                                   f"run `moespec train-estimator {key} --out {path}`")
+        return path
+    candidates = [default_estimator_path(model_path), Path(model_path) / BESIDE_MODEL]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise CalibrationError(f"--predictor estimator/hybrid needs trained router estimators for {key}; none at {candidates[0]}",
+                           "run `moespec train-estimator MODEL` first, or use --predictor quasi or router")
