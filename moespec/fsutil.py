@@ -47,3 +47,21 @@ def atomic_write_text(path: str | os.PathLike, text: str, force: bool = True) ->
     """Write ``text`` to ``path`` atomically (see :func:`atomic_path`)."""
     with atomic_path(path, force=force) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def save_safetensors_atomic(path: Path, tensors: dict, meta: dict, meta_key: str) -> Path:
+    """Write ``tensors`` + ``meta`` (as sorted JSON under ``meta_key``) to ``path`` atomically.
+
+    Raises:
+        OutputError: the path is not writable.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata={meta_key: json.dumps(meta, sort_keys=True)})
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {exc.strerror or exc}", "choose a writable --out path") from exc
+    return path

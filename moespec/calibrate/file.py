@@ -140,18 +140,10 @@ def save_calibration(path: str | Path, calib: Calibration) -> Path:
     Raises:
         OutputError: the path is not writable.
     """
-    from safetensors.torch import save_file
-
-    from moespec.fsutil import atomic_path
+    from moespec.fsutil import save_safetensors_atomic
 
     meta = dict(calib.meta, format=FORMAT, format_version=FORMAT_VERSION, variant=calib.variant)
-    path = Path(path).expanduser()
-    with atomic_path(path) as tmp:
-        try:
-            save_file(calib.tensors(), str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        except OSError as exc:
-            raise OutputError(f"cannot write {path}: {exc.strerror or exc}", "choose a writable --out path") from exc
-    return path
+    return save_safetensors_atomic(Path(path).expanduser(), calib.tensors(), meta, META_KEY)
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -57,7 +57,6 @@ def chat(
 ) -> None:
     from rich.console import Console
 
-    from moespec.chat.session import ChatSession
     from moespec.cli.runtime_opts import build_runtime_config, enum_option
     from moespec.config import ExecuteMode, Predictor, SamplingConfig
 

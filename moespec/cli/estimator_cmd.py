@@ -73,7 +73,7 @@ def train_estimator(
     from moespec.estimator.collect import read_manifest
     from moespec.estimator.file import default_estimator_path, save_estimator
     from moespec.estimator.hybrid import HybridConfig
-    from moespec.estimator.run import (EstimatorConfig, auto_layers, check_layers, find_model_calibration, fit,
+    from moespec.estimator.run import (EstimatorConfig, find_model_calibration, fit,
                                        input_kind, prepare_states)
     from moespec.estimator.train import TrainConfig
     from moespec.runtime.offload import load_offloaded

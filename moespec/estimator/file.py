@@ -82,21 +82,14 @@ def save_estimator(path: str | Path, ef: EstimatorFile) -> Path:
     Raises:
         OutputError: the path is not writable.
     """
-    from safetensors.torch import save_file
-
-    from moespec.fsutil import atomic_path
+    from moespec.fsutil import save_safetensors_atomic
 
     meta = dict(ef.meta, format=FORMAT, format_version=FORMAT_VERSION, input=ef.input,
                 shape=ef.bank.shape.to_dict(), choice={str(k): v for k, v in sorted(ef.choice.items())})
     path = Path(path).expanduser()
     if path.is_dir():
         raise OutputError(f"--out {path} is a folder", "pass a file path, e.g. --out estimators.safetensors")
-    with atomic_path(path) as tmp:
-        try:
-            save_file(ef.tensors(), str(tmp), metadata={META_KEY: json.dumps(meta, sort_keys=True)})
-        except OSError as exc:
-            raise OutputError(f"cannot write {path}: {exc.strerror or exc}", "choose a writable --out path") from exc
-    return path
+    return save_safetensors_atomic(path, ef.tensors(), meta, META_KEY)
 
 
 def load_estimator(path: str | Path) -> EstimatorFile:
