@@ -64,8 +64,11 @@ def layer_refs(om: OffloadedModel) -> list[LayerRef]:
 
 
 def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str,
-               progress: Progress | None = None) -> None:
-    """Run each chunk as an independent prefill with ``observer`` attached to the MoE runner."""
+               progress: Progress | None = None, after_chunk=None) -> None:
+    """Run each chunk as an independent prefill with ``observer`` attached to the MoE runner.
+
+    ``after_chunk()`` (optional) is called after each chunk's forward, e.g. to flush collected rows.
+    """
     engine = Engine(om)
     total, done = sum(len(c) for c in chunks), 0
     om.runner.observer = observer
@@ -73,6 +76,8 @@ def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str
         for chunk in chunks:
             engine.reset()
             engine.forward(chunk, "prefill")
+            if after_chunk is not None:
+                after_chunk()
             done += len(chunk)
             if progress is not None:
                 progress(stage, done, total)

@@ -207,23 +207,9 @@ class _Tee:
 def run_collection(om, chunks: list[list[int]], observer, collector: StateCollector, stage: str,
                    progress: Progress | None = None) -> None:
     """Each chunk as an independent prefill with ``observer`` attached; rows handed over per chunk."""
-    from moespec.runtime.engine import Engine
+    from moespec.calibrate.run import run_chunks
 
-    engine = Engine(om)
-    total, done = sum(len(c) for c in chunks), 0
-    om.runner.observer = observer
-    try:
-        for chunk in chunks:
-            engine.reset()
-            engine.forward(chunk, "prefill")
-            collector.end_chunk()
-            done += len(chunk)
-            if progress is not None:
-                progress(stage, done, total)
-    finally:
-        om.runner.observer = None
-        om.runner.reset_step()
-        engine.reset()
+    run_chunks(om, chunks, observer, stage, progress, after_chunk=collector.end_chunk)
 
 
 def clear_states(folder: Path) -> None:
