@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import CacheExperts, Device, Dtype, ExpertDtype, GpuMemory, Seed, err_console, handles_errors
-
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
+                                SeqLen, err_console, handles_errors)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
 Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
@@ -32,11 +32,11 @@ def register(app: typer.Typer) -> None:
 
 @handles_errors
 def calibrate(
-    model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
-    data: Optional[str] = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field."),
+    model: Optional[str] = ModelArg,
+    data: Optional[str] = Data,
     tokens: int = typer.Option(100_000, "--tokens", help="Calibration tokens (all the data holds, if fewer)."),
-    heldout_tokens: Optional[int] = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each)."),
+    heldout_tokens: Optional[int] = HeldoutTokens,
+    seq_len: int = SeqLen,
     out: Optional[str] = typer.Option(None, "--out", help="Calibration file to write; default: where chat looks for it."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, ExpertDtype, FetchThreshold, GpuMemory, LinkGbps, Seed,
+from moespec.cli.common import (CacheExperts, Device, Dtype, ExpertDtype, FetchThreshold, GpuMemory, LinkGbps, ModelArg, Seed,
                                 err_console, handles_errors)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
 
 @handles_errors
 def chat(
-    model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
+    model: Optional[str] = ModelArg,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Answer this once and exit."),
     json_out: bool = typer.Option(False, "--json", help="With --prompt: print one JSON object (text + stats)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),

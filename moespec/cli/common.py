@@ -51,6 +51,10 @@ ExpertDtype = typer.Option("auto", "--expert-dtype",
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
 FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
 Seed = typer.Option(0, "--seed", help="Random seed.")
+ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
+Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
+HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
+SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each).")
 
 
 def optional_str(value: Optional[str]) -> Optional[str]:

@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, ExpertDtype, GpuMemory, Seed, err_console,
-                                handles_errors)
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
+                                SeqLen, err_console, handles_errors)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
 
@@ -33,11 +33,11 @@ def register(app: typer.Typer) -> None:
 
 @handles_errors
 def train_estimator(
-    model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
-    data: Optional[str] = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field."),
+    model: Optional[str] = ModelArg,
+    data: Optional[str] = Data,
     tokens: int = typer.Option(500_000, "--tokens", help="Training tokens (all the data holds, if fewer)."),
-    heldout_tokens: Optional[int] = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each)."),
+    heldout_tokens: Optional[int] = HeldoutTokens,
+    seq_len: int = SeqLen,
     layers: str = typer.Option("auto", "--layers", help="auto, or served MoE layers such as 0,1,5."),
     max_layers: int = typer.Option(8, "--max-layers", help="auto: serve at most this many layers."),
     auto_below: float = typer.Option(0.9, "--auto-below", help="auto: serve layers whose best router/quasi recall is below this."),
