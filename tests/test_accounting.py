@@ -40,10 +40,6 @@ def test_bytes_equal_misses_times_expert_bytes_without_prediction(tiny_models):
 def test_full_cache_moves_each_expert_once(tiny_models):
     om, _ = _generate(tiny_models["mixtral"], RuntimeConfig(predictor=Predictor.NONE), n=16)
     assert om.cache.num_slots == 3 * 8
-    used = set()
-    for s in om.recorder.steps:
-        for layer, st in s.layers.items():
-            pass
     copied = om.cache.copies
     resident = om.cache.resident_keys()
     assert copied == len(resident) == len(set(resident))  # no expert was copied twice

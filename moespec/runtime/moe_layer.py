@@ -27,6 +27,7 @@ from moespec.runtime.cache import ExpertCache
 from moespec.runtime.experts import decode_contribution, weighted_contribution
 from moespec.runtime.guard import guard_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
+from moespec.runtime.transfer import Span
 
 
 class MoeLayerRunner:
@@ -189,7 +190,7 @@ class MoeLayerRunner:
                 self.observer.expert_output(layer, e, tok, raw)
             parts.append((e, tok, y))
             if rec.enabled:
-                rec.span(stats, "compute_ms", _span(t0, self.cache.engine.mark()))
+                rec.span(stats, "compute_ms", Span(t0, self.cache.engine.mark()))
             cache.release(slot)
             fill()
             if pending and not in_flight:
@@ -201,12 +202,6 @@ class MoeLayerRunner:
         for _, tok, y in sorted(parts, key=lambda p: p[0]):  # ascending expert id, as transformers
             out.index_add_(0, tok, y.to(out.dtype))
         return out
-
-
-def _span(a, b):
-    from moespec.runtime.transfer import Span
-
-    return Span(a, b)
 
 
 def _record_recall(stats: LayerStats, predicted: Routing, true: Routing) -> None:
