@@ -10,6 +10,8 @@ near perfect there.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny import make_checkpoint, reference_model
@@ -18,11 +20,14 @@ from typer.testing import CliRunner
 from moespec.calibrate.data import ChunkPlan
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import CalibrationError, DataError
+from moespec.estimator.collect import StatesManifest, collect_states, load_shard
 from moespec.estimator.file import default_estimator_path, load_estimator, save_estimator
 from moespec.estimator.hybrid import HybridConfig
 from moespec.estimator.run import EstimatorConfig, auto_layers, fit, prepare_states
 from moespec.estimator.train import TrainConfig
+from moespec.predict.base import RouterPredictor
 from moespec.predict.estimator import EstimatorPredictor
+from moespec.predict.quasi import QuasiPredictor
 from moespec.runtime.engine import Engine
 from moespec.runtime.offload import load_offloaded
 from moespec.runtime.stats import StatsRecorder
@@ -176,3 +181,97 @@ def test_cli_calibrate_then_train_estimator_then_chat(drift, tmp_path):
 
     res = runner.invoke(app, common + ["--layers", "2"])
     assert res.exit_code == 2 and "cannot be served" in res.output
+
+
+def test_truncated_collection_writes_the_same_states_as_the_full_one(tmp_path):
+    """The fast path (each training forward ends at the last target's router) against the slow reference
+    (every layer runs): same rows, bit for bit, and the layer after the last target really is skipped."""
+    from moespec.calibrate.run import layer_refs
+
+    model = make_checkpoint(tmp_path / "m", "qwen2_moe", seed=3, layers=4)  # shared expert, as the default model
+    plan = ChunkPlan(calib=_chunks(5, 64, 3), heldout=_chunks(2, 64, 4))
+    om = load_offloaded(model, RuntimeConfig(predictor=Predictor.NONE))
+    ran: list[int] = []
+    run = om.runner.run
+
+    def counting(block, x):
+        ran.append(block.layer)
+        return run(block, x)
+
+    om.runner.run = counting  # the offloaded blocks call runner.run: count MoE layers per forward
+    try:
+        refs = layer_refs(om)
+        g = torch.Generator().manual_seed(0)
+        vectors = torch.randn(4, 8, 32, generator=g)  # [L, E, H] default vectors, so quasi signals are exercised
+        predictors = {"router": RouterPredictor(om.adapter, refs),
+                      "quasi": QuasiPredictor(om.adapter, refs, {r.layer: vectors[r.layer] for r in refs})}
+        got = {}
+        for truncate in (True, False):
+            manifest = StatesManifest(model="tiny", config_hash="x", router_fingerprint="y", moe_layers=[0, 1, 2, 3],
+                                      layers=[0, 1], targets=[1, 2], input="quasi", hidden=32, experts=8, top_k=2)
+            folder = tmp_path / f"states-{truncate}"
+            ran.clear()
+            got[truncate] = (collect_states(om, plan, manifest, predictors, folder, vectors[:2], truncate=truncate),
+                             folder, ran.count(3))
+    finally:
+        om.close()
+    (fast, fast_dir, fast_last), (slow, slow_dir, slow_last) = got[True], got[False]
+    assert fast_last == len(plan.heldout) and slow_last == len(plan.calib) + len(plan.heldout)
+    assert fast.tokens == slow.tokens == 5 * 64 and fast.heldout_tokens == slow.heldout_tokens == 2 * 64
+    assert fast.shards == slow.shards and fast.baseline == slow.baseline
+    for name in fast.shards["train"] + fast.shards["heldout"]:
+        a, b = load_shard(fast_dir / name, [0, 1]), load_shard(slow_dir / name, [0, 1])
+        for key in ("state", "logits", "ids", "weights"):
+            for layer in (0, 1):
+                torch.testing.assert_close(a[key][layer], b[key][layer], rtol=0, atol=0)
+        assert a["state"][0].dtype == torch.bfloat16 and a["logits"][1].shape == (len(a["ids"][1]), 8)
+
+
+def test_chat_and_profile_use_the_estimator_file_given_with_the_flag(drift, trained, tmp_path, monkeypatch):
+    from moespec.cli.app import app
+
+    _, outcome = trained
+    monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
+    default = default_estimator_path(drift)  # a corrupt file where chat looks by default...
+    default.parent.mkdir(parents=True)
+    default.write_bytes(b"not an estimator file")
+    mine = save_estimator(tmp_path / "mine.safetensors", outcome.file)  # ...and a good one elsewhere
+    runner = CliRunner()
+    chat = ["chat", str(drift), "--predictor", "hybrid", "--prompt", "hi", "--max-new-tokens", "3"]
+
+    res = runner.invoke(app, chat)
+    assert res.exit_code == 2 and "not a readable moespec estimator file" in res.output
+    res = runner.invoke(app, chat + ["--estimator", str(mine)])  # the flag overrides the default file
+    assert res.exit_code == 0, res.output
+
+    out = tmp_path / "report.json"
+    res = runner.invoke(app, ["profile", str(drift), "--device", "cpu", "--threads", "1",
+                              "--strategies", "router,hybrid", "--estimator", str(mine), "--prompt-len", "8",
+                              "--gen", "3", "--repeats", "1", "--warmup", "0", "--out", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["options"]["estimator"] == str(mine) and report["options"]["strategies"] == ["router", "hybrid"]
+
+
+@pytest.mark.parametrize("case", ["missing", "other model", "unused"])
+def test_a_bad_estimator_flag_names_the_path_and_the_flag(drift, trained, tiny_models, tmp_path, case):
+    from moespec.cli.app import app
+
+    _, outcome = trained
+    path = tmp_path / "est.safetensors"
+    model, predictor, needle = drift, "hybrid", "does not exist"
+    if case == "other model":  # same architecture and config as the drift model, other router weights
+        save_estimator(path, outcome.file)
+        model, needle = tiny_models["qwen3_moe"], "router weights differ"
+    elif case == "unused":
+        save_estimator(path, outcome.file)
+        predictor, needle = "router", "read only by the estimator and hybrid predictors"
+    runner = CliRunner()
+    res = runner.invoke(app, ["chat", str(model), "--predictor", predictor, "--estimator", str(path), "--prompt", "hi",
+                              "--max-new-tokens", "2"])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and str(path) in res.output and "--estimator" in res.output
+    assert "Traceback" not in res.output
+    if case == "unused":
+        res = runner.invoke(app, ["profile", str(model), "--strategies", "none,router", "--estimator", str(path)])
+        assert res.exit_code == 2 and "--estimator" in res.output, res.output

@@ -31,6 +31,15 @@ Progress = Callable[[str, int, int], None]
 METRICS = ("recall", "weighted_recall", "cosine")
 
 
+class StopForward(Exception):
+    """Raised by an observer to end a prefill once it has recorded everything it needs.
+
+    ``run_chunks`` catches it: the layers after the raising one (and the LM head) do not run, which
+    is how estimator state collection skips the layers beyond its last target. Raise it only from
+    ``observer.routing`` (before the layer acquires cache slots), so no slot stays pinned.
+    """
+
+
 @dataclass(frozen=True)
 class CalibrateConfig:
     """What `moespec calibrate` does, with defaults in one place.
@@ -68,6 +77,7 @@ def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str
     """Run each chunk as an independent prefill with ``observer`` attached to the MoE runner.
 
     ``after_chunk()`` (optional) is called after each chunk's forward, e.g. to flush collected rows.
+    The observer may end a forward early by raising StopForward (that step is not recorded in stats).
     """
     engine = Engine(om)
     total, done = sum(len(c) for c in chunks), 0
@@ -75,7 +85,10 @@ def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str
     try:
         for chunk in chunks:
             engine.reset()
-            engine.forward(chunk, "prefill")
+            try:
+                engine.forward(chunk, "prefill")
+            except StopForward:
+                om.runner.reset_step()
             if after_chunk is not None:
                 after_chunk()
             done += len(chunk)

@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, ExpertDtype, FetchThreshold, GpuMemory, LinkGbps, ModelArg, Seed,
-                                err_console, handles_errors)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
+                                LinkGbps, ModelArg, Seed, err_console, handles_errors)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -24,6 +24,8 @@ Examples:
   moespec chat ./Qwen3-30B-A3B --gpu-memory 8GiB --predictor router
 
   moespec chat MODEL --cache-experts 16 --link-gbps 25 --prompt "Hi" --json
+
+  moespec chat MODEL --predictor hybrid --estimator estimators.safetensors
 
 In the REPL: /reset clears the history, /stats shows per-layer statistics, /exit quits.
 """
@@ -50,6 +52,7 @@ def chat(
     expert_dtype: str = ExpertDtype,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
+    estimator: Optional[str] = EstimatorPath,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
@@ -57,7 +60,7 @@ def chat(
 ) -> None:
     from rich.console import Console
 
-    from moespec.cli.runtime_opts import build_runtime_config, enum_option
+    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor, SamplingConfig
 
     out = Console(highlight=False)
@@ -65,10 +68,12 @@ def chat(
         from moespec.errors import PromptError
 
         raise PromptError("--prompt is empty", "pass some text, e.g. --prompt \"What is 2+2?\"")
+    kind = enum_option(Predictor, predictor, "--predictor")
+    check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
         device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
-        predictor=enum_option(Predictor, predictor, "--predictor"), execute=enum_option(ExecuteMode, execute, "--execute"),
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration,
+        predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

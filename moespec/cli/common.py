@@ -55,6 +55,29 @@ ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache;
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
 SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each).")
+EstimatorPath = typer.Option(None, "--estimator",
+                             help="Estimator file for --predictor estimator / hybrid (default: the one "
+                                  "`moespec train-estimator` wrote for MODEL).")
+Threads = typer.Option(None, "--threads",
+                       help="CPU threads for torch (default: torch's choice; 1 is faster when other work "
+                            "shares the cores).")
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Apply ``--threads`` to torch (None keeps torch's choice).
+
+    Raises:
+        OptionError: fewer than 1 thread.
+    """
+    if threads is None:
+        return
+    if threads < 1:
+        from moespec.errors import OptionError
+
+        raise OptionError(f"--threads {threads} must be at least 1")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def optional_str(value: Optional[str]) -> Optional[str]:

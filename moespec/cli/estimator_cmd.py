@@ -8,11 +8,11 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, err_console, handles_errors)
+                                SeqLen, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
 
-Text runs through the model (exact mode, experts streamed through the cache); for every served layer the state q (the quasi-hidden state with a calibration file, else the normalised residual) and the next layer's true router logits are written to disk in shards. Each estimator (down-projection H -> H/m, layer embedding, SiLU MLP with a residual, norm, head -> E) is distilled with KL to the true router's softmax, stopping early on held-out recall@K. Per layer, `hybrid` uses the estimator only where its held-out recall beats router and quasi by more than --margin and the copies it saves (at --link-gbps) outweigh its measured cost per token. `moespec chat MODEL --predictor hybrid` (or `estimator`) finds the file automatically.
+Text runs through the model (exact mode, experts streamed through the cache; each training pass stops at the router of the last layer it needs); for every served layer the state q (the quasi-hidden state with a calibration file, else the normalised residual) and the next layer's true router logits are written to disk in shards. Each estimator (down-projection H -> H/m, layer embedding, SiLU MLP with a residual, norm, head -> E) is distilled with KL to the true router's softmax, stopping early on held-out recall@K. Per layer, `hybrid` uses the estimator only where its held-out recall beats router and quasi by more than --margin and the copies it saves (at --link-gbps) outweigh its measured cost per token. `moespec chat MODEL --predictor hybrid` (or `estimator`) finds the file automatically; `--estimator FILE` picks another one.
 
 --layers auto serves the layers whose best parameter-free recall (from `moespec calibrate`, else measured) is below --auto-below, at most --max-layers of them.
 
@@ -60,6 +60,7 @@ def train_estimator(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
     import shutil
@@ -84,6 +85,7 @@ def train_estimator(
         train=TrainConfig(epochs=epochs, batch_tokens=batch, lr=lr, seed=seed),
         hybrid=HybridConfig(margin=margin, link_gbps=link_gbps or None), seed=seed)
     _check_numbers(cfg)
+    set_threads(threads)
     rcfg = build_runtime_config(device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0,
                                 link_gbps=None, expert_dtype=expert_dtype)

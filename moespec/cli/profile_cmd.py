@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, FetchThreshold, GpuMemory, LinkGbps, Seed,
-                                err_console, handles_errors)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
+                                Threads, err_console, handles_errors, set_threads)
 
 HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
 millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
@@ -23,6 +23,8 @@ Examples:
 
   moespec profile MODEL --device cpu --link-gbps 0.5 --cache-experts 64 --prompt-len 64,256 --gen 16
   --plot report.png --trace step.json
+
+  moespec profile MODEL --strategies quasi,hybrid --estimator estimators.safetensors
 
   moespec profile --compare before.json after.json
 """
@@ -78,13 +80,14 @@ def profile(
     dtype: str = Dtype,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
+    estimator: Optional[str] = EstimatorPath,
     data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON report here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here (needs moespec[plot])."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of one decode step."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Show two saved reports side by side."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
     from rich.console import Console
@@ -107,14 +110,10 @@ def profile(
         require_matplotlib()
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
-    if threads is not None:
-        if threads < 1:
-            raise OptionError(f"--threads {threads} must be at least 1")
-        import torch
-
-        torch.set_num_threads(threads)
+    set_threads(threads)
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
-                             cache_experts, device, dtype, link_gbps, calibration, data, seed, trace is not None)
+                             cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
+                             trace is not None)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -135,13 +134,13 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, data, seed, timeline):
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
     """Load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
     import torch
 
-    from moespec.cli.runtime_opts import build_runtime_config, enum_option
+    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor
     from moespec.profile.report import build_report, describe
     from moespec.profile.run import ProfileConfig, run_profile
@@ -149,6 +148,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     from moespec.runtime.offload import load_offloaded, make_predictor
 
     chosen = _strategies(strategies)
+    check_estimator_use(estimator, list(chosen))
     prompt_lens = _ints(prompt_len, "--prompt-len")
     mode = enum_option(ExecuteMode, execute, "--execute")
     predicting = any(s != Predictor.NONE for s in chosen)
@@ -156,7 +156,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration)
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
@@ -181,8 +181,8 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
-                   "link_gbps": link_gbps, "calibration": calibration, "data": data, "seed": seed,
-                   "threads": torch.get_num_threads()}
+                   "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
+                   "seed": seed, "threads": torch.get_num_threads()}
         return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines
     finally:
         om.close()

@@ -27,8 +27,11 @@ def enum_option(kind: type[E], value: str, flag: str) -> E:
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
-                         expert_dtype: str = "auto") -> RuntimeConfig:
+                         expert_dtype: str = "auto", estimator: Optional[str] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
+
+    ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
+    file found automatically.
 
     Raises:
         OptionError: both --gpu-memory and --cache-experts, or a malformed value.
@@ -40,5 +43,18 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
         cache_experts=cache_experts, predictor=predictor, execute=execute,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
-        expert_dtype=expert_dtype,
+        estimator_path=estimator or None, expert_dtype=expert_dtype,
     )
+
+
+def check_estimator_use(estimator: Optional[str], predictors: list[Predictor]) -> None:
+    """Refuse ``--estimator`` when no predictor that reads it (estimator, hybrid) is asked for.
+
+    Raises:
+        OptionError: names the flag and the predictors that use it.
+    """
+    if estimator and not any(p in (Predictor.ESTIMATOR, Predictor.HYBRID) for p in predictors):
+        asked = ", ".join(p.value for p in predictors) or "none"
+        raise OptionError(f"--estimator {estimator} is read only by the estimator and hybrid predictors, not {asked}",
+                          "add --predictor hybrid (chat) or estimator/hybrid to --strategies (profile), "
+                          "or drop --estimator")

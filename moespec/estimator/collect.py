@@ -12,6 +12,11 @@ Rows are written to ``<split>-NNNNN.safetensors`` shards of about ``SHARD_BYTES`
 beyond RAM work; ``manifest.json`` is written last, so an interrupted collection is never reused.
 The held-out split also scores the parameter-free predictors (router, quasi) on the same tokens,
 stored in the manifest for the hybrid choice.
+
+Fast path: a training forward ends at the router of the last target layer (``truncate``, the default):
+the layers after it, the final norm and the LM head cannot change any recorded row, so they are not
+run. The slow reference runs every layer (``truncate=False``); tests compare the two. The held-out
+split always runs every layer, because it scores the parameter-free predictors at every layer.
 """
 
 from __future__ import annotations
@@ -153,13 +158,17 @@ class StateCollector:
             layers; its ``signal`` and the next layer's norm make the state.
         layers: the served layers.
         writer: where rows go.
+        stop_early: raise StopForward once the last target layer's routing is recorded, so the rest
+            of the model does not run (the rows are the same either way).
     """
 
-    def __init__(self, predictor: NextLayerPredictor, layers: list[int], writer: ShardWriter) -> None:
+    def __init__(self, predictor: NextLayerPredictor, layers: list[int], writer: ShardWriter,
+                 stop_early: bool = False) -> None:
         self.predictor = predictor
         self.layers = list(layers)
         self.writer = writer
         self.source_of = {predictor.target(layer).layer: layer for layer in self.layers}  # l' -> l
+        self.last_target = max(self.source_of) if stop_early else None
         self._rows: dict[str, torch.Tensor] = {}
 
     def routing(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, routing) -> None:
@@ -175,6 +184,10 @@ class StateCollector:
             nxt = self.predictor.target(layer)
             r = residual.reshape(-1, residual.shape[-1])  # [T, H]
             self._rows[f"state/{layer}"] = nxt.norm(self.predictor.signal(layer, r, routing)).to(torch.bfloat16)
+        if layer == self.last_target:
+            from moespec.calibrate.run import StopForward
+
+            raise StopForward  # every row of this forward is recorded: skip the layers after it
 
     def expert_output(self, layer: int, expert: int, token_idx: torch.Tensor, raw_output: torch.Tensor) -> None:
         """Not needed."""
@@ -221,7 +234,7 @@ def clear_states(folder: Path) -> None:
 
 def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayerPredictor], folder: Path,
                    vectors: torch.Tensor | None = None, progress: Progress | None = None,
-                   shard_bytes: int = SHARD_BYTES) -> StatesManifest:
+                   shard_bytes: int = SHARD_BYTES, truncate: bool = True) -> StatesManifest:
     """Run ``plan``'s train and held-out chunks through ``om``; write shards and the manifest to ``folder``.
 
     Args:
@@ -231,6 +244,9 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         predictors: "router" and, with a calibration, "quasi"; the one named ``manifest.input`` makes the states.
         folder: the states folder (created; earlier states in it are removed first).
         vectors: [S, E, H] default vectors of the served layers (input "quasi"), saved beside the shards.
+        shard_bytes: bytes of states per shard.
+        truncate: end each training forward at the last target layer's router (the fast path);
+            False runs every layer (the slow reference). Both write the same rows.
     """
     from safetensors.torch import save_file
 
@@ -243,7 +259,7 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
     maker = predictors[manifest.input]
     with torch.inference_mode():
         train = ShardWriter(folder, "train", shard_bytes)
-        collector = StateCollector(maker, manifest.layers, train)
+        collector = StateCollector(maker, manifest.layers, train, stop_early=truncate)
         run_collection(om, plan.calib, collector, collector, "collect", progress)
         train.flush()
         held = ShardWriter(folder, "heldout", shard_bytes)

@@ -92,8 +92,17 @@ def save_estimator(path: str | Path, ef: EstimatorFile) -> Path:
     return save_safetensors_atomic(path, ef.tensors(), meta, META_KEY)
 
 
-def load_estimator(path: str | Path) -> EstimatorFile:
+def describe(path: Path, flag: str | None = None) -> str:
+    """How error messages name an estimator file: "estimator file PATH", plus the flag that gave it."""
+    return f"estimator file {path}" + (f" (given with {flag})" if flag else "")
+
+
+def load_estimator(path: str | Path, flag: str | None = None) -> EstimatorFile:
     """Read an estimator file (weights on the CPU, fp32).
+
+    Args:
+        path: the file.
+        flag: the CLI flag the path came from (e.g. "--estimator"), named in errors; None = found automatically.
 
     Raises:
         CalibrationError: missing, unreadable, corrupt, not an estimator file, or a newer format.
@@ -101,20 +110,21 @@ def load_estimator(path: str | Path) -> EstimatorFile:
     from safetensors import SafetensorError, safe_open
 
     path = Path(path).expanduser()
+    name = describe(path, flag)
     redo = f"run `moespec train-estimator MODEL --out {path}` to write it again"
     if not path.is_file():
-        raise CalibrationError(f"estimator file {path} does not exist", "run `moespec train-estimator MODEL` to make one")
+        raise CalibrationError(f"{name} does not exist", "run `moespec train-estimator MODEL` to make one")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})[META_KEY])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise CalibrationError(f"{path} is not a readable moespec estimator file ({exc})", redo) from exc
+        raise CalibrationError(f"{name} is not a readable moespec estimator file ({exc})", redo) from exc
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt != FORMAT:
-        raise CalibrationError(f"{path} is not a moespec estimator file (format {fmt!r})", redo)
+        raise CalibrationError(f"{name} is not a moespec estimator file (format {fmt!r})", redo)
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CalibrationError(f"{path} has format version {meta['format_version']}; this moespec reads up to "
+        raise CalibrationError(f"{name} has format version {meta['format_version']}; this moespec reads up to "
                                f"{FORMAT_VERSION}", "upgrade moespec or train the estimators again")
     try:
         bank = EstimatorBank(EstimatorShape(**meta["shape"]), [int(x) for x in tensors["layers"].tolist()])
@@ -129,13 +139,19 @@ def load_estimator(path: str | Path) -> EstimatorFile:
             meta=meta,
         )
     except (KeyError, TypeError, RuntimeError) as exc:
-        raise CalibrationError(f"{path} is an incomplete or inconsistent estimator file ({exc})", redo) from None
+        raise CalibrationError(f"{name} is an incomplete or inconsistent estimator file ({exc})", redo) from None
     return ef
 
 
 def check_matches(ef: EstimatorFile, path: Path, config, moe_layers: list[int], fingerprint: str | None,
-                  model: str = "MODEL") -> None:
+                  model: str = "MODEL", flag: str | None = None) -> None:
     """Refuse an estimator file made for another model.
+
+    Args:
+        ef, path: the loaded file and where it came from.
+        config, moe_layers, fingerprint: the running model (fingerprint None = not compared).
+        model: how the hint names the model.
+        flag: the CLI flag the path came from (e.g. "--estimator"), named in errors; None = found automatically.
 
     Raises:
         CalibrationError: config hash, MoE layers, sizes or router weights differ.
@@ -143,15 +159,18 @@ def check_matches(ef: EstimatorFile, path: Path, config, moe_layers: list[int], 
     from moespec.calibrate.file import config_hash
 
     made_for = ef.meta.get("model", "another model")
+    name = describe(path, flag)
     hint = f"run `moespec train-estimator {model}` to train estimators for this model"
+    if flag:
+        hint = f"pass this model's estimator file with {flag}, or drop {flag} and {hint}"
     want = config_hash(config)
     if ef.meta.get("config_hash") != want:
-        raise CalibrationError(f"estimator file {path} was made for {made_for} (config hash "
+        raise CalibrationError(f"{name} was made for {made_for} (config hash "
                                f"{ef.meta.get('config_hash')}), not this model (config hash {want})", hint)
     if ef.moe_layers != list(moe_layers) or ef.bank.shape.hidden != int(getattr(config, "hidden_size", ef.bank.shape.hidden)):
-        raise CalibrationError(f"estimator file {path} covers MoE layers {ef.moe_layers}, this model has {list(moe_layers)}", hint)
+        raise CalibrationError(f"{name} covers MoE layers {ef.moe_layers}, this model has {list(moe_layers)}", hint)
     if fingerprint is not None and ef.meta.get("router_fingerprint") not in (None, fingerprint):
-        raise CalibrationError(f"estimator file {path} was made for {made_for}, whose router weights differ from this "
+        raise CalibrationError(f"{name} was made for {made_for}, whose router weights differ from this "
                                "model's (same architecture, other weights: a fine-tune or another revision?)", hint)
 
 
@@ -166,11 +185,18 @@ def default_estimator_path(model_path: str | Path) -> Path:
     return estimator_path(model_key(model_path))
 
 
-def find_estimator(model_path: str | Path, explicit: str | Path | None = None) -> Path:
-    """The estimator file for the model at ``model_path`` (``explicit`` must exist when given).
+def find_estimator(model_path: str | Path, explicit: str | Path | None = None, flag: str = "--estimator") -> Path:
+    """The estimator file for the model at ``model_path``: ``explicit`` when given (it must exist), else
+    the one `moespec train-estimator` wrote for the model (its default path, or beside the model).
+
+    Args:
+        model_path: the model folder.
+        explicit: a path the user gave with ``flag`` (``RuntimeConfig.estimator_path``); it wins over the default.
+        flag: how errors name the option that gave ``explicit``.
 
     Raises:
-        CalibrationError: no file found (the message names `moespec train-estimator MODEL`).
+        CalibrationError: ``explicit`` does not exist (names the path and ``flag``), or no file was found
+            (names `moespec train-estimator MODEL`).
     """
     from moespec.calibrate.locate import model_key
 
@@ -178,8 +204,9 @@ def find_estimator(model_path: str | Path, explicit: str | Path | None = None) -
     if explicit is not None:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise CalibrationError(f"estimator file {path} does not exist",
-                                   f"run `moespec train-estimator {key} --out {path}`")
+            raise CalibrationError(f"{describe(path, flag)} does not exist",
+                                   f"check the path, run `moespec train-estimator {key} --out {path}`, or drop {flag} "
+                                   "to use the file found automatically")
         return path
     candidates = [default_estimator_path(model_path), Path(model_path) / BESIDE_MODEL]
     for path in candidates:

@@ -52,19 +52,23 @@ def build_quasi(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, m
 
 def build_estimator(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
     """`estimator`: trained estimators wherever the file has them; `quasi` elsewhere when the model is
-    calibrated, else `router`.
+    calibrated, else `router`. The file is ``cfg.estimator_path`` (``--estimator``) when set, else the
+    one `moespec train-estimator` wrote for the model.
 
     Raises:
-        CalibrationError: no estimator file (names `moespec train-estimator MODEL`), corrupt, or another model's.
+        CalibrationError: no estimator file (names `moespec train-estimator MODEL`), corrupt, or another
+            model's; for an explicit file the message names the path and ``--estimator``.
     """
     return _estimator_predictor(adapter, refs, cfg, model_path, hybrid=False)
 
 
 def build_hybrid(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path) -> NextLayerPredictor:
-    """`hybrid`: the per-layer choice `moespec train-estimator` recorded in the estimator file.
+    """`hybrid`: the per-layer choice `moespec train-estimator` recorded in the estimator file
+    (``cfg.estimator_path`` when set, else found automatically).
 
     Raises:
-        CalibrationError: no estimator file, or a layer chose `quasi` and the calibration file is missing.
+        CalibrationError: no estimator file (or an explicit one that is missing, corrupt or another model's),
+            or a layer chose `quasi` and the calibration file is missing.
     """
     return _estimator_predictor(adapter, refs, cfg, model_path, hybrid=True)
 
@@ -76,10 +80,11 @@ def _estimator_predictor(adapter: MoeAdapter, refs: list[LayerRef], cfg: Runtime
     from moespec.estimator.file import check_matches, find_estimator, load_estimator
     from moespec.predict.estimator import EstimatorPredictor
 
+    flag = "--estimator" if cfg.estimator_path is not None else None  # an explicit file wins over the default one
     path = find_estimator(model_path, cfg.estimator_path)
-    ef = load_estimator(path)
+    ef = load_estimator(path, flag)
     check_matches(ef, path, adapter.config, [r.layer for r in refs],
-                  router_fingerprint([r.block.gate.weight for r in refs]), model_key(model_path))
+                  router_fingerprint([r.block.gate.weight for r in refs]), model_key(model_path), flag)
     weight = refs[0].block.gate.weight
     bank = ef.bank.to(device=weight.device, dtype=weight.dtype)
     if hybrid:
