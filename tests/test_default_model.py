@@ -68,7 +68,7 @@ def test_gates_are_measured_and_recorded_in_the_card(built):
     """The gate numbers are measured and written into gates.json and the card, pass or fail.
 
     Issue 3's quality (exact ppl <= 1.3x dense) and routing (random >= 1.15x exact) gates are NOT met
-    by this recipe yet (1.35x / 1.10x measured); the card says so. The structural gates hold.
+    by this recipe yet (recipe 3: 1.33x / 1.09x measured); the card says so. The structural gates hold.
     """
     folder, _ = built
     gates = json.loads((folder / "gates.json").read_text())

@@ -57,12 +57,14 @@ layers ({CALIBRATION_DESCRIPTION}):
 2. A bias-free linear router is fitted to pick, per token, the {layout.top_k} experts whose output
    removes the most error (least-squares start, then softmax cross-entropy).
 3. The down projections of the shared and routed experts are refitted by ridge least squares,
-   given the router's choices and weights, to reproduce the dense FFN output.
+   given the router's choices and weights, to reproduce the dense FFN output; each token is
+   weighted by 1 / ||dense FFN output||^2{"" if layout.relative_refit else " (off in this build)"}, so tokens with massive activations
+   (attention sinks) do not capture the fit.
 4. Qwen2-MoE mapping: softmax top-{layout.top_k} routing with renormalised weights
    (`norm_topk_prob`); shared_expert_gate weight 0, so sigmoid = 0.5 exactly, and the shared
    down projection doubled. Attention, norms and tied embeddings are copied unchanged.
 
-Deterministic (fixed seeds, no sampling); conversion took {gates.conversion_s:.0f} s on this machine.
+Reproducible (fixed seeds, no sampling, every fit in float64: two builds agree to float32 rounding); conversion took {gates.conversion_s:.0f} s on this machine.
 
 ## Measured (held-out: {HELDOUT_DESCRIPTION}; {gates.eval_tokens} tokens, float32)
 | quantity | value |

@@ -19,6 +19,7 @@ E routed experts, K experts per token, I_e = (I - n_shared) / E neurons per rout
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +30,9 @@ from transformers import LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from moespec.default_model.refit import moe_features, refit_down, relative_error
 from moespec.default_model.router_fit import fit_router, topk_weights
 from moespec.default_model.split import split_neurons
+
+
+WORK_DTYPE = torch.float64  # every fit and the calibration forward (see convert())
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class MoeLayout:
         router_steps: Adam steps per router (router_fit.fit_router).
         router_tokens: at most this many calibration tokens (evenly strided) fit each router.
         ridge: damping of the down-projection refit (refit.refit_down).
+        relative_refit: weight the refit by 1 / ||dense output||^2 per token (refit.refit_down).
         seed: seed of every random choice (clustering start, the report's random routing).
     """
 
@@ -51,6 +56,7 @@ class MoeLayout:
     router_steps: int = 100
     router_tokens: int = 4096
     ridge: float = 1e-3
+    relative_refit: bool = True
     seed: int = 0
 
 
@@ -95,6 +101,10 @@ def moe_config(dense: LlamaForCausalLM, layout: MoeLayout) -> Qwen2MoeConfig:
     routed = c.intermediate_size - layout.shared_neurons
     if routed <= 0 or routed % layout.n_experts:
         raise ValueError(f"{routed} routed neurons cannot form {layout.n_experts} equal experts")
+    if (routed // layout.n_experts) % 4:
+        # transformers' grouped expert matmul (torch._grouped_mm) needs 16-byte strides: a float32
+        # expert of 26 neurons fails at inference time, so refuse it here.
+        raise ValueError(f"experts of {routed // layout.n_experts} neurons: the width must be a multiple of 4")
     return Qwen2MoeConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -122,10 +132,16 @@ def _copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None
 
 
 def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Tensor,
-                 layout: MoeLayout) -> LayerReport:
+                 layout: MoeLayout) -> tuple[LayerReport, torch.Tensor]:
     """Fill one Qwen2MoeSparseMoeBlock from one LlamaMLP using router inputs ``s`` [T, H].
 
-    The last 10% of the tokens are held back from every fit and give the report's errors.
+    ``dense_mlp`` and ``s`` are in the working dtype (float64); the block's float32 parameters
+    receive the results rounded once. The last 10% of the tokens are held back from every fit and
+    give the report's errors.
+
+    Returns:
+        The layer's report and the converted layer's output on ``s`` ([T, H], working dtype):
+        shared expert + the router's top-K experts with their renormalised weights.
     """
     w_gate = dense_mlp.gate_proj.weight  # [I, H]
     w_up = dense_mlp.up_proj.weight  # [I, H]
@@ -147,7 +163,7 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     logits = s @ fit.weight.T  # [T, E]
     weights, ids = topk_weights(logits, layout.top_k)  # [T, K]
     features = moe_features(act_shared, act_routed, ids, weights)  # [T, I]
-    down = refit_down(features[:n_fit], target[:n_fit], layout.ridge)  # [H, I]
+    down = refit_down(features[:n_fit], target[:n_fit], layout.ridge, layout.relative_refit)  # [H, I]
     gen = torch.Generator().manual_seed(layout.seed)
     rand_ids = torch.topk(torch.rand(logits.shape, generator=gen), layout.top_k, dim=-1).indices  # [T, K]
     rand_w = torch.gather(torch.softmax(logits, dim=-1), 1, rand_ids)
@@ -167,13 +183,22 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     block.experts.gate_up_proj.copy_(torch.cat([w_gate[idx], w_up[idx]], dim=1))  # [E, 2 I_e, H]
     block.experts.down_proj.copy_(down[:, n_sh:].reshape(-1, n_experts, i_e).permute(1, 0, 2))  # [E, H, I_e]
     block.gate.weight.copy_(fit.weight)  # [E, H]
-    return report
+    return report, features @ down.T
 
 
 @torch.no_grad()
 def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
             on_layer: Callable[[LayerReport], None] | None = None) -> tuple[Qwen2MoeForCausalLM, ConversionReport]:
     """Build the Qwen2-MoE model from ``dense`` (float32, CPU), fitting routers on ``calib_ids``.
+
+    Every fit and the calibration forward run in float64 on a copy of ``dense``; only the written
+    weights are float32. Why: float32 results of CPU kernels differ between runs in the last bits
+    (measured: the same router fit gave two different weights in repeated runs, depending on
+    kernel paths torch does not pin), and near-tied router logits turn such bits into different
+    expert choices, so the float32 pipeline built a different model each time (held-out
+    perplexity 31.1 vs 31.6 for one recipe). In float64 two runs agree to ~1e-12 (relative
+    layer errors measured equal to 12 digits), so two builds differ at most in the last float32
+    bit of a few weights and choose the same experts: reproducible, though not bit for bit.
 
     Args:
         dense: the dense model, float32, eval mode.
@@ -190,18 +215,19 @@ def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
     _copy_dense_parts(dense, moe)
     report = ConversionReport()
 
+    work = copy.deepcopy(dense).to(WORK_DTYPE)  # attention and norms equal the MoE model's (copied above)
     n_seq, seq_len = calib_ids.shape
-    h = moe.model.embed_tokens(calib_ids)  # [N, S, H]
+    h = work.model.embed_tokens(calib_ids)  # [N, S, H] float64
     position_ids = torch.arange(seq_len)[None].expand(n_seq, -1)  # [N, S]
-    rope = moe.model.rotary_emb(h, position_ids)  # (cos, sin), each [N, S, head_dim]
-    for index, (d_layer, m_layer) in enumerate(zip(dense.model.layers, moe.model.layers)):
+    rope = work.model.rotary_emb(h, position_ids)  # (cos, sin), each [N, S, head_dim]
+    for index, (d_layer, m_layer) in enumerate(zip(work.model.layers, moe.model.layers)):
         t0 = time.perf_counter()
         # attention_mask=None: SDPA applies the causal mask itself for S > 1.
-        attn, _ = m_layer.self_attn(m_layer.input_layernorm(h), position_embeddings=rope, attention_mask=None)
+        attn, _ = d_layer.self_attn(d_layer.input_layernorm(h), position_embeddings=rope, attention_mask=None)
         r = h + attn  # [N, S, H]
-        s = m_layer.post_attention_layernorm(r)  # [N, S, H]
-        layer_report = _convert_ffn(d_layer.mlp, m_layer.mlp, s.reshape(-1, s.shape[-1]), layout)
-        h = r + m_layer.mlp(s)  # [N, S, H]
+        s = d_layer.post_attention_layernorm(r)  # [N, S, H]
+        layer_report, out = _convert_ffn(d_layer.mlp, m_layer.mlp, s.reshape(-1, s.shape[-1]), layout)
+        h = r + out.reshape(r.shape)  # [N, S, H]: what the converted block computes, in float64
         layer_report.layer, layer_report.seconds = index, time.perf_counter() - t0
         report.layers.append(layer_report)
         if on_layer is not None:

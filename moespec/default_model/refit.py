@@ -30,24 +30,35 @@ def moe_features(act_shared: torch.Tensor, act_routed: torch.Tensor, ids: torch.
         weights: [T, K] their weights.
 
     Returns:
-        [T, n_sh + E * I_e] float32 features (zero for unchosen experts).
+        [T, n_sh + E * I_e] features in the activations' dtype (zero for unchosen experts).
     """
     n_tokens, n_experts, _ = act_routed.shape
-    coef = torch.zeros(n_tokens, n_experts).scatter_(1, ids, weights)  # [T, E]
+    coef = torch.zeros(n_tokens, n_experts, dtype=act_routed.dtype).scatter_(1, ids, weights.to(act_routed.dtype))  # [T, E]
     return torch.cat([act_shared, (act_routed * coef[..., None]).reshape(n_tokens, -1)], dim=1)
 
 
-def refit_down(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
-    """Ridge least squares D = argmin ||target - features D^T||^2 + lambda ||D||^2.
+def refit_down(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3,
+               relative: bool = True) -> torch.Tensor:
+    """Ridge least squares D = argmin sum_t c_t ||target_t - D x_t||^2 + lambda ||D||^2.
+
+    With ``relative`` each token is weighted by c_t = 1 / ||target_t||^2, so the fit minimises
+    the mean *relative* error (the quantity reported per layer). Without it, tokens with massive
+    activations (attention-sink tokens whose FFN output is ~1000x the median, e.g. SmolLM2
+    layer 11) dominate the fit and the layer ends up worse than its shared expert alone
+    on every other token (measured: held-back relative error 0.186 plain vs 0.082 weighted).
 
     Args:
         features: [T, I] X(s) from :func:`moe_features`.
         target: [T, H] the output the layer should produce (the dense FFN's).
-        ridge: lambda relative to the mean diagonal of X^T X (scale-free damping).
+        ridge: lambda relative to the mean diagonal of the (weighted) X^T X (scale-free damping).
+        relative: weight tokens by 1 / ||target_t||^2 (see above).
 
     Returns:
         [H, I] float32 down projection, columns in the order of the features.
     """
+    if relative:
+        scale = target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12).rsqrt()  # [T, 1]
+        features, target = features * scale, target * scale
     gram = features.T @ features  # [I, I]
     damp = ridge * gram.diagonal().mean()
     gram.diagonal().add_(damp)

@@ -25,7 +25,7 @@ class RouterFit:
     """A fitted router and its recall on held-back tokens.
 
     Attributes:
-        weight: [E, H] float32 router weight (logits z = s @ weight.T).
+        weight: [E, H] router weight in the dtype of the inputs (logits z = s @ weight.T).
         recall: mean |router top-K ∩ oracle top-K| / K on the held-back tokens.
     """
 
@@ -37,7 +37,7 @@ def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
     """Per token, the K experts whose output alone removes the most routed-output error.
 
     Args:
-        outputs: [T, E, H] float32 routed expert outputs o_e.
+        outputs: [T, E, H] floating-point routed expert outputs o_e.
         k: experts per token.
 
     Returns:
@@ -49,8 +49,11 @@ def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_weights(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen2-MoE routing: softmax over E, top-K, renormalise. logits [T, E] -> ([T, K] weights, [T, K] ids)."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    """Qwen2-MoE routing: softmax over E, top-K, renormalise. logits [T, E] -> ([T, K] weights, [T, K] ids).
+
+    The softmax runs in float32 at least (float64 logits stay float64), as transformers' router does.
+    """
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [T, E]
     top_w, top_ids = torch.topk(probs, k, dim=-1)  # [T, K]
     return top_w / top_w.sum(dim=-1, keepdim=True), top_ids
 
@@ -73,7 +76,7 @@ def fit_router(s: torch.Tensor, outputs: torch.Tensor, k: int, steps: int = 200,
     n_tokens, n_experts, _ = outputs.shape
     n_fit = n_tokens - max(1, int(n_tokens * holdout_frac))
     oracle = oracle_topk(outputs, k)  # [T, K]
-    target = torch.zeros(n_tokens, n_experts).scatter_(1, oracle, 1.0 / k)  # [T, E]
+    target = torch.zeros(n_tokens, n_experts, dtype=s.dtype).scatter_(1, oracle, 1.0 / k)  # [T, E]
     s_fit, t_fit = s[:n_fit], target[:n_fit]
     init = torch.linalg.lstsq(s_fit, (t_fit - 1.0 / n_experts) * n_experts).solution.T  # [E, H]
     weight = init.clone().requires_grad_(True)

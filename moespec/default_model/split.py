@@ -40,11 +40,11 @@ def neuron_importance(act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """Mean absolute contribution of each neuron to the FFN output.
 
     Args:
-        act: [T, I] float32, silu(W_g s) * W_u s on calibration tokens.
-        w_down: [H, I] float32, the dense down projection.
+        act: [T, I] floating point (float64 in the conversion), silu(W_g s) * W_u s on calibration tokens.
+        w_down: [H, I] floating point (float64 in the conversion), the dense down projection.
 
     Returns:
-        [I] float32: mean_t |act[t, j]| * ||w_down[:, j]||_2.
+        [I] floating point (float64 in the conversion): mean_t |act[t, j]| * ||w_down[:, j]||_2.
     """
     return act.abs().mean(dim=0) * w_down.norm(dim=0)  # [I]
 
@@ -57,7 +57,7 @@ def balanced_kmeans(features: torch.Tensor, n_groups: int, iters: int = 12, seed
     Deterministic for a given seed.
 
     Args:
-        features: [n, D] float32 rows to cluster; n must be divisible by n_groups.
+        features: [n, D] floating-point rows to cluster; n must be divisible by n_groups.
         n_groups: number of groups (E).
         iters: assignment / update rounds.
         seed: initial centroids are rows drawn with this seed.
@@ -102,8 +102,8 @@ def split_neurons(act: torch.Tensor, w_down: torch.Tensor, n_shared: int, n_expe
     """Choose the shared neurons and group the rest into ``n_experts`` routed experts.
 
     Args:
-        act: [T, I] float32 SwiGLU activations on calibration tokens.
-        w_down: [H, I] float32 down projection.
+        act: [T, I] floating-point SwiGLU activations on calibration tokens.
+        w_down: [H, I] floating-point down projection.
         n_shared: neurons kept in the shared expert; (I - n_shared) % n_experts must be 0.
         n_experts: routed experts E.
         max_profile_tokens: tokens used for co-activation profiles (the first ones).
