@@ -24,7 +24,7 @@ def text_file(tmp_path):
 def test_calibrate_writes_the_file_chat_finds(tiny_models, text_file):
     folder = tiny_models["qwen3_moe"]
     res = runner.invoke(app, ["calibrate", str(folder), "--data", str(text_file), "--tokens", "300",
-                              "--heldout-tokens", "64", "--seq-len", "32", "--cache-experts", "4"])
+                              "--heldout-tokens", "64", "--seq-len", "32", "--cache-experts", "4", "--threads", "1"])
     assert res.exit_code == 0, res.output
     target = default_calibration_path(folder)
     assert f"wrote {target}" in res.output.replace("\n", "")

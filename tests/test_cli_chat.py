@@ -28,6 +28,18 @@ def test_one_shot_json(tiny_models):
     assert 0 <= st["recall"] <= 1 and st["h2d_mb_per_token"] >= 0 and st["tpot_ms"] > 0
 
 
+def test_threads_option_sets_torch_threads(tiny_models):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        r = _chat(tiny_models["mixtral"], "-p", "hi", "--max-new-tokens", "2", "--threads", "2")
+        assert r.exit_code == 0, r.output
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_shot_prints_footer(tiny_models):
     r = _chat(tiny_models["mixtral"], "-p", "hi", "--max-new-tokens", "4", "--predictor", "none")
     assert r.exit_code == 0, r.output
@@ -52,6 +64,7 @@ def test_repl_scripted_input(tiny_models):
         (["--predictor", "psychic"], "--predictor 'psychic'"),
         (["--execute", "maybe"], "--execute 'maybe'"),
         (["--prompt", "   "], "empty"),
+        (["--threads", "0"], "--threads 0 must be at least 1"),
     ],
 )
 def test_bad_options_give_clear_errors(tiny_models, args, needle):

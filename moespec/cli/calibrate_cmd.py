@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, err_console, handles_errors)
+                                SeqLen, Threads, err_console, handles_errors, set_threads)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
 Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
@@ -44,6 +44,7 @@ def calibrate(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     seed: int = Seed,
+    threads: Optional[int] = Threads,
 ) -> None:
     import time
     from pathlib import Path
@@ -58,6 +59,7 @@ def calibrate(
     from moespec.config import ExecuteMode, Predictor
     from moespec.runtime.offload import load_offloaded
 
+    set_threads(threads)
     cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
     rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
-                                LinkGbps, ModelArg, Seed, err_console, handles_errors)
+                                LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -57,12 +57,14 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
     seed: int = Seed,
+    threads: Optional[int] = Threads,
 ) -> None:
     from rich.console import Console
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor, SamplingConfig
 
+    set_threads(threads)
     out = Console(highlight=False)
     if prompt is not None and not prompt.strip():
         from moespec.errors import PromptError
