@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moespec.default_model.refit import moe_features, refit_down, relative_error
-from moespec.default_model.router_fit import fit_router, oracle_topk, topk_weights
+from moespec.default_model.router_fit import fit_router, oracle_topk, oracle_topk_factored, topk_weights
 from moespec.default_model.split import balanced_kmeans, split_neurons
 
 
@@ -71,6 +71,17 @@ def test_oracle_picks_the_experts_that_remove_most_error():
     assert sorted(oracle_topk(outputs, 2)[0].tolist()) == [0, 2]
 
 
+def test_factored_oracle_matches_the_reference_on_expert_outputs():
+    gen = torch.Generator().manual_seed(4)
+    tokens, hidden, n_experts, width, k = 300, 12, 6, 5, 2
+    act = torch.randn(tokens, n_experts, width, generator=gen, dtype=torch.float64)
+    down = torch.randn(hidden, n_experts, width, generator=gen, dtype=torch.float64)
+    outputs = torch.einsum("tei,hei->teh", act, down)  # [T, E, H]
+    reference = oracle_topk(outputs, k)
+    fast = oracle_topk_factored(act, down, k, chunk=64)  # several chunks, the last one partial
+    assert torch.equal(fast, reference)
+
+
 def test_router_fit_learns_a_linearly_decidable_routing():
     gen = torch.Generator().manual_seed(3)
     tokens, hidden, n_experts, k = 4096, 16, 8, 2
@@ -79,12 +90,24 @@ def test_router_fit_learns_a_linearly_decidable_routing():
     scores = s @ directions.T  # [T, E]: the expert's output grows with its direction's score
     outputs = torch.zeros(tokens, n_experts, n_experts)
     outputs[:, torch.arange(n_experts), torch.arange(n_experts)] = scores.clamp_min(0) + 0.01  # orthogonal
-    fit = fit_router(s, outputs, k, steps=200, lr=1e-2)
+    fit = fit_router(s, oracle_topk(outputs, k), n_experts, steps=200, lr=1e-2)
     assert fit.weight.shape == (n_experts, hidden)
     assert fit.recall >= 0.9
     weights, ids = topk_weights(s[:4] @ fit.weight.T, k)
     torch.testing.assert_close(weights.sum(-1), torch.ones(4))
     assert ids.shape == (4, k)
+
+
+def test_minibatch_router_fit_learns_the_routing_and_repeats_itself():
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden, n_experts, k = 3000, 16, 8, 2
+    s = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    scores = s @ torch.randn(n_experts, hidden, generator=gen, dtype=torch.float64).T  # [T, E]
+    oracle = torch.topk(scores, k, dim=-1).indices  # a linearly decidable routing
+    first = fit_router(s, oracle, n_experts, steps=300, lr=1e-2, batch_tokens=512, seed=1)
+    again = fit_router(s, oracle, n_experts, steps=300, lr=1e-2, batch_tokens=512, seed=1)
+    assert first.recall >= 0.9
+    torch.testing.assert_close(first.weight, again.weight, rtol=1e-9, atol=1e-12)  # float64 kernels: ~1e-15
 
 
 def test_expert_width_must_suit_the_grouped_matmul():
@@ -116,7 +139,7 @@ def test_conversion_of_a_tiny_dense_model_is_reproducible_and_loads_as_qwen2_moe
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     dense = LlamaForCausalLM(config).eval()
     calib = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
-    layout = MoeLayout(n_experts=8, top_k=2, shared_neurons=64, router_tokens=256, router_steps=30)
+    layout = MoeLayout(n_experts=8, top_k=2, shared_neurons=64, router_batch=128, router_steps=30)
     first, report = convert(dense, calib, layout)
     second, _ = convert(dense, calib, layout)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):

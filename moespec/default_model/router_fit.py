@@ -4,9 +4,11 @@ The converted layer routes like Qwen2-MoE (softmax over z = W s -> top-K -> reno
 expert e's output o_e(s) is split from the dense FFN, so the dense routed part is R = sum_e o_e.
 1. oracle: per token, the K experts whose output alone removes the most error from R,
    gain_e = 2<o_e, R> - ||o_e||^2 (from the Gram matrix <o_e, o_f>; exact for orthogonal outputs);
-2. router: least-squares start (logits regress the centred oracle indicator), then full-batch
-   Adam on the cross-entropy of softmax(z) against the uniform distribution on the oracle set
-   (a multi-label softmax loss; e.g. Mixtral-style routers are trained through this same softmax).
+2. router: least-squares start (logits regress the centred oracle indicator), then Adam on
+   minibatches drawn from every calibration token, minimising the cross-entropy of softmax(z)
+   against the uniform distribution on the oracle set (a multi-label softmax loss; e.g.
+   Mixtral-style routers are trained through this same softmax). Every token matters: fitted on
+   a 4096-token subset instead of 14.7k tokens, layer 3's held-back error was 5% higher.
 The router has no bias (Qwen2-MoE's gate has none), so none is fitted. How much each chosen expert
 counts is settled afterwards by refitting the down projections with these weights (refit.py).
 
@@ -36,6 +38,8 @@ class RouterFit:
 def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
     """Per token, the K experts whose output alone removes the most routed-output error.
 
+    The slow reference of :func:`oracle_topk_factored` (it materialises every expert's output).
+
     Args:
         outputs: [T, E, H] floating-point routed expert outputs o_e.
         k: experts per token.
@@ -48,6 +52,37 @@ def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(gain, k, dim=-1).indices  # [T, K]
 
 
+def oracle_topk_factored(act_routed: torch.Tensor, down_routed: torch.Tensor, k: int,
+                         chunk: int = 4096) -> torch.Tensor:
+    """:func:`oracle_topk` for o_e = D_e a_e without building the [T, E, H] outputs.
+
+    <o_e, R> = a_e . (D_e^T R) and ||o_e||^2 = a_e^T (D_e^T D_e) a_e, so the gains need one
+    [T, H] x [H, E*I_e] product and E small Gram matrices: ~3.5x fewer FLOPs than materialising
+    the outputs for SmolLM2's layers, and T*E*I_e instead of T*E*H memory (1.1 GB -> 52 MB in
+    float64 for 14.7k tokens).
+
+    Args:
+        act_routed: [T, E, I_e] routed expert activations a_e.
+        down_routed: [H, E, I_e] routed expert down projections D_e.
+        k: experts per token.
+        chunk: tokens per step (bounds the temporaries).
+
+    Returns:
+        [T, K] int64 expert ids, the same as ``oracle_topk`` on the outputs (up to rounding ties).
+    """
+    n_tokens, n_experts, width = act_routed.shape
+    flat_down = down_routed.reshape(down_routed.shape[0], -1)  # [H, E*I_e]
+    gram = torch.einsum("hei,hej->eij", down_routed, down_routed)  # [E, I_e, I_e]
+    ids = []
+    for start in range(0, n_tokens, chunk):
+        a = act_routed[start:start + chunk]  # [t, E, I_e]
+        total = a.reshape(a.shape[0], -1) @ flat_down.T  # [t, H] R = sum_e o_e
+        proj = (total @ flat_down).reshape(a.shape)  # [t, E, I_e] D_e^T R
+        gain = 2 * (a * proj).sum(-1) - torch.einsum("tei,eij,tej->te", a, gram, a)  # [t, E]
+        ids.append(torch.topk(gain, k, dim=-1).indices)
+    return torch.cat(ids) if ids else torch.zeros(0, k, dtype=torch.int64)
+
+
 def topk_weights(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2-MoE routing: softmax over E, top-K, renormalise. logits [T, E] -> ([T, K] weights, [T, K] ids).
 
@@ -58,33 +93,47 @@ def topk_weights(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return top_w / top_w.sum(dim=-1, keepdim=True), top_ids
 
 
-def fit_router(s: torch.Tensor, outputs: torch.Tensor, k: int, steps: int = 200, lr: float = 3e-3,
-               holdout_frac: float = 0.1) -> RouterFit:
+def fit_router(s: torch.Tensor, oracle: torch.Tensor, n_experts: int, steps: int = 200, lr: float = 3e-3,
+               holdout_frac: float = 0.1, batch_tokens: int | None = None, seed: int = 0) -> RouterFit:
     """Fit the router of one layer (see the module docstring).
 
     Args:
-        s: [T, H] float32 router inputs (post-attention-norm hidden states).
-        outputs: [T, E, H] float32 routed expert outputs o_e on the same tokens.
-        k: experts per token.
-        steps: full-batch Adam steps.
+        s: [T, H] router inputs (post-attention-norm hidden states; float64 in the conversion).
+        oracle: [T, K] int64 the oracle's experts for the same tokens (oracle_topk_factored).
+        n_experts: routed experts E.
+        steps: Adam steps.
         lr: Adam learning rate.
         holdout_frac: share of tokens (the last ones) held back to report recall.
+        batch_tokens: tokens per Adam step, drawn without replacement in a seeded order that
+            restarts each epoch; None: full batch. Minibatches let the router see every
+            calibration token at the cost of a few thousand per step.
+        seed: seed of the minibatch order.
 
     Returns:
         The :class:`RouterFit`.
     """
-    n_tokens, n_experts, _ = outputs.shape
+    n_tokens, k = oracle.shape
     n_fit = n_tokens - max(1, int(n_tokens * holdout_frac))
-    oracle = oracle_topk(outputs, k)  # [T, K]
     target = torch.zeros(n_tokens, n_experts, dtype=s.dtype).scatter_(1, oracle, 1.0 / k)  # [T, E]
     s_fit, t_fit = s[:n_fit], target[:n_fit]
-    init = torch.linalg.lstsq(s_fit, (t_fit - 1.0 / n_experts) * n_experts).solution.T  # [E, H]
+    # least-squares start by the normal equations (a [H, H] solve: ~4x faster than lstsq's QR on
+    # 29k tokens, and the tiny ridge keeps it defined for rank-deficient inputs)
+    gram = s_fit.T @ s_fit  # [H, H]
+    gram.diagonal().add_(1e-9 * gram.diagonal().mean())
+    init = torch.linalg.solve(gram, s_fit.T @ ((t_fit - 1.0 / n_experts) * n_experts)).T  # [E, H]
     weight = init.clone().requires_grad_(True)
     opt = torch.optim.Adam([weight], lr=lr)
+    batch = n_fit if batch_tokens is None else min(batch_tokens, n_fit)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n_fit, generator=gen)
     with torch.enable_grad():  # callers may run under no_grad
-        for _ in range(steps):
+        for step in range(steps):
+            start = (step * batch) % n_fit
+            if batch < n_fit and start + batch > n_fit:  # a new epoch: a new order
+                order, start = torch.randperm(n_fit, generator=gen), 0
+            rows = order[start:start + batch] if batch < n_fit else slice(None)
             opt.zero_grad(set_to_none=True)
-            loss = -(t_fit * torch.log_softmax(s_fit @ weight.T, dim=-1)).sum(-1).mean()
+            loss = -(t_fit[rows] * torch.log_softmax(s_fit[rows] @ weight.T, dim=-1)).sum(-1).mean()
             loss.backward()
             opt.step()
     weight = weight.detach()
