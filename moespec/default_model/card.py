@@ -55,7 +55,9 @@ layers ({CALIBRATION_DESCRIPTION}):
    {1536 - layout.shared_neurons} form {layout.n_experts} routed experts of equal size by balanced
    k-means on their co-activation profiles (MoEfication, Zhang et al. 2022).
 2. A bias-free linear router is fitted to pick, per token, the {layout.top_k} experts whose output
-   removes the most error (least-squares start, then softmax cross-entropy).
+   removes the most error (least-squares start, then softmax cross-entropy by Adam on minibatches
+   of {layout.router_batch} tokens drawn from all calibration tokens: measured, a router fitted on a
+   4096-token subset reached 5% higher held-back layer error).
 3. The down projections of the shared and routed experts are refitted by ridge least squares,
    given the router's choices and weights, to reproduce the dense FFN output; each token is
    weighted by 1 / ||dense FFN output||^2{"" if layout.relative_refit else " (off in this build)"}, so tokens with massive activations
