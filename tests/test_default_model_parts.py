@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moespec.default_model.refit import moe_features, refit_down, relative_error
-from moespec.default_model.router_fit import fit_router, oracle_topk, oracle_topk_factored, topk_weights
+from moespec.default_model.router_fit import fit_router, minibatch_rows, oracle_topk, oracle_topk_factored, topk_weights
 from moespec.default_model.split import balanced_kmeans, split_neurons
 
 
@@ -96,6 +96,16 @@ def test_router_fit_learns_a_linearly_decidable_routing():
     weights, ids = topk_weights(s[:4] @ fit.weight.T, k)
     torch.testing.assert_close(weights.sum(-1), torch.ones(4))
     assert ids.shape == (4, k)
+
+
+def test_minibatches_use_each_row_once_per_epoch_and_reshuffle():
+    batches = list(minibatch_rows(10, 3, steps=6, seed=0))  # 3 batches per epoch, 1 row skipped
+    assert [b.numel() for b in batches] == [3] * 6
+    for epoch in (batches[:3], batches[3:]):
+        rows = torch.cat(epoch)
+        assert rows.unique().numel() == 9 and int(rows.max()) <= 9
+    assert not torch.equal(torch.cat(batches[:3]), torch.cat(batches[3:]))
+    assert list(minibatch_rows(4, 8, steps=2)) == [slice(None), slice(None)]
 
 
 def test_minibatch_router_fit_learns_the_routing_and_repeats_itself():

@@ -18,6 +18,7 @@ Shapes: T tokens, H hidden, E routed experts, K experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -93,6 +94,25 @@ def topk_weights(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return top_w / top_w.sum(dim=-1, keepdim=True), top_ids
 
 
+def minibatch_rows(n_rows: int, batch: int, steps: int, seed: int = 0) -> Iterator[torch.Tensor | slice]:
+    """Row indices of ``steps`` minibatches: each epoch a fresh seeded permutation, cut into
+    batches of ``batch`` rows; the remainder (n_rows % batch rows) is skipped in that epoch.
+
+    Yields:
+        [batch] int64 row indices, or ``slice(None)`` every step when ``batch >= n_rows`` (full batch).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    order, pos = None, n_rows
+    for _ in range(steps):
+        if batch >= n_rows:
+            yield slice(None)
+            continue
+        if pos + batch > n_rows:  # a new epoch: a new order
+            order, pos = torch.randperm(n_rows, generator=gen), 0
+        yield order[pos:pos + batch]
+        pos += batch
+
+
 def fit_router(s: torch.Tensor, oracle: torch.Tensor, n_experts: int, steps: int = 200, lr: float = 3e-3,
                holdout_frac: float = 0.1, batch_tokens: int | None = None, seed: int = 0) -> RouterFit:
     """Fit the router of one layer (see the module docstring).
@@ -123,15 +143,9 @@ def fit_router(s: torch.Tensor, oracle: torch.Tensor, n_experts: int, steps: int
     init = torch.linalg.solve(gram, s_fit.T @ ((t_fit - 1.0 / n_experts) * n_experts)).T  # [E, H]
     weight = init.clone().requires_grad_(True)
     opt = torch.optim.Adam([weight], lr=lr)
-    batch = n_fit if batch_tokens is None else min(batch_tokens, n_fit)
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(n_fit, generator=gen)
+    batches = minibatch_rows(n_fit, batch_tokens or n_fit, steps, seed)
     with torch.enable_grad():  # callers may run under no_grad
-        for step in range(steps):
-            start = (step * batch) % n_fit
-            if batch < n_fit and start + batch > n_fit:  # a new epoch: a new order
-                order, start = torch.randperm(n_fit, generator=gen), 0
-            rows = order[start:start + batch] if batch < n_fit else slice(None)
+        for rows in batches:
             opt.zero_grad(set_to_none=True)
             loss = -(t_fit[rows] * torch.log_softmax(s_fit[rows] @ weight.T, dim=-1)).sum(-1).mean()
             loss.backward()
