@@ -54,7 +54,8 @@ def refit_down(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3
         relative: weight tokens by 1 / ||target_t||^2 (see above).
 
     Returns:
-        [H, I] float32 down projection, columns in the order of the features.
+        [H, I] down projection in the features' dtype (float64 in the conversion), columns in the
+        order of the features.
     """
     if relative:
         scale = target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12).rsqrt()  # [T, 1]

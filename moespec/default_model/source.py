@@ -69,7 +69,7 @@ def _cached_and_valid(dest: Path, sha256: str, console: Console, redo: str) -> b
     """True when ``dest`` exists and matches ``sha256``; a corrupt copy is said (``redo``) and removed."""
     if not dest.is_file():
         return False
-    if _valid(dest, sha256):
+    if sha256_of(dest) == sha256:
         return True
     console.print(f"[yellow]cached {dest.name} is corrupt (checksum mismatch); {redo} it again[/]")
     dest.unlink()
