@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from moespec.default_model.refit import moe_features, refit_down, relative_error
+from moespec.default_model.refit import moe_features, refit_down, refit_down_routed, relative_error
 from moespec.default_model.router_fit import fit_router, minibatch_rows, oracle_topk, oracle_topk_factored, topk_weights
-from moespec.default_model.split import balanced_kmeans, split_neurons
+from moespec.default_model.split import balanced_kmeans, cluster_experts, split_neurons
 
 
 def _swiglu_layer(tokens: int = 2048, hidden: int = 32, inter: int = 96, seed: int = 0):
@@ -34,6 +34,33 @@ def test_split_is_a_partition_and_all_experts_reproduce_the_dense_ffn():
     torch.testing.assert_close(features @ w_down[:, columns].T, act @ w_down.T, rtol=1e-5, atol=1e-5)
 
 
+def test_cluster_experts_take_the_neurons_of_their_token_cluster():
+    """Tokens come in 4 directions; pool neurons 8c..8c+7 fire (x5) only on direction c's tokens.
+    Each clustered expert (top-1 membership) must hold exactly one direction's 8 neurons, and
+    the shared expert the most important neurons, as in split_neurons."""
+    gen = torch.Generator().manual_seed(3)
+    n_dirs, per_dir, hidden = 4, 256, 16
+    directions = torch.eye(n_dirs, hidden) * 4
+    s = torch.cat([directions[c] + 0.3 * torch.randn(per_dir, hidden, generator=gen) for c in range(n_dirs)])
+    cluster = torch.arange(n_dirs).repeat_interleave(per_dir)  # [T]
+    shared_act = 10 + torch.rand(s.shape[0], 8, generator=gen)  # 8 always-on, most important neurons
+    pool_act = 0.2 * torch.rand(s.shape[0], 32, generator=gen)
+    pool_act[torch.arange(s.shape[0])[:, None], cluster[:, None] * 8 + torch.arange(8)] += 5.0
+    act = torch.cat([pool_act, shared_act], dim=1)  # shared neurons are 32..39
+    w_down = torch.ones(hidden, 40)
+    perm = torch.randperm(s.shape[0], generator=gen)  # clustering uses the first tokens: mix them
+    split = cluster_experts(s[perm], act[perm], w_down, n_shared=8, n_experts=4, top_k=1, expert_neurons=8,
+                            max_cluster_tokens=512)
+    assert torch.equal(split.shared, torch.arange(32, 40))
+    assert sorted(split.experts.tolist()) == [list(range(8 * c, 8 * c + 8)) for c in range(4)]
+    wider = cluster_experts(s, act, w_down, n_shared=8, n_experts=4, top_k=1, expert_neurons=12)
+    assert wider.experts.shape == (4, 12)  # overlapping experts: 4 x 12 > 32 pool neurons allowed
+    assert all(len(set(row)) == 12 and set(row) <= set(range(32)) for row in wider.experts.tolist())
+    import pytest
+    with pytest.raises(ValueError, match="pool of 32"):
+        cluster_experts(s, act, w_down, n_shared=8, n_experts=4, top_k=1, expert_neurons=33)
+
+
 def test_balanced_kmeans_gives_equal_groups_and_separates_clear_clusters():
     gen = torch.Generator().manual_seed(0)
     centres = torch.eye(4, 16) * 10
@@ -49,6 +76,22 @@ def test_refit_recovers_an_exact_down_projection():
     down = torch.randn(8, 24, generator=gen)
     fitted = refit_down(features, features @ down.T, ridge=1e-9)
     torch.testing.assert_close(fitted, down, rtol=1e-4, atol=1e-4)
+
+
+def test_blockwise_refit_equals_the_dense_reference():
+    """refit_down_routed skips the unchosen experts' zeros; refit_down on the full features is its reference."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, n_sh, n_experts, width, k, hidden = 1500, 20, 6, 4, 2, 10
+    act_shared = torch.randn(tokens, n_sh, generator=gen, dtype=torch.float64)
+    act_routed = torch.randn(tokens, n_experts, width, generator=gen, dtype=torch.float64)
+    ids = torch.argsort(torch.rand(tokens, n_experts, generator=gen), dim=1)[:, :k]
+    weights = torch.rand(tokens, k, generator=gen, dtype=torch.float64)
+    target = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    for relative in (True, False):
+        slow = refit_down(moe_features(act_shared, act_routed, ids, weights), target, 1e-3, relative)
+        fast = refit_down_routed(act_shared, act_routed, ids, weights, target, 1e-3, relative)
+        assert fast.shape == (hidden, n_sh + n_experts * width)
+        torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
 
 
 def test_relative_refit_is_not_captured_by_one_massive_token():
@@ -69,6 +112,10 @@ def test_oracle_picks_the_experts_that_remove_most_error():
     outputs = torch.zeros(1, 4, 3)
     outputs[0, 0, 0], outputs[0, 1, 1], outputs[0, 2, 2], outputs[0, 3, 0] = 3.0, 1.0, 2.0, 0.5
     assert sorted(oracle_topk(outputs, 2)[0].tolist()) == [0, 2]
+    # Experts 0 and 3 share a neuron (both point along axis 0): against the true residual
+    # R = (0.5, 1, 0), expert 1 and the small expert 3 remove the most error, not the big expert 0.
+    residual = torch.tensor([[0.5, 1.0, 0.0]])
+    assert sorted(oracle_topk(outputs, 2, residual)[0].tolist()) == [1, 3]
 
 
 def test_factored_oracle_matches_the_reference_on_expert_outputs():
@@ -80,6 +127,8 @@ def test_factored_oracle_matches_the_reference_on_expert_outputs():
     reference = oracle_topk(outputs, k)
     fast = oracle_topk_factored(act, down, k, chunk=64)  # several chunks, the last one partial
     assert torch.equal(fast, reference)
+    residual = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    assert torch.equal(oracle_topk_factored(act, down, k, residual, chunk=64), oracle_topk(outputs, k, residual))
 
 
 def test_router_fit_learns_a_linearly_decidable_routing():
@@ -128,12 +177,18 @@ def test_expert_width_must_suit_the_grouped_matmul():
 
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    config = moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=32))  # 8 neurons per expert
+    partition = MoeLayout(n_experts=8, top_k=2, shared_neurons=32, expert_neurons=None)  # 8 neurons per expert
+    config = moe_config(dense, partition)
     assert config.moe_intermediate_size == 8 and config.shared_expert_intermediate_size == 32
+    assert moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=32, expert_neurons=24)).moe_intermediate_size == 24
     with pytest.raises(ValueError, match="multiple of 4"):
-        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=48))  # 6 neurons per expert
+        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=48, expert_neurons=None))  # 6 per expert
+    with pytest.raises(ValueError, match="multiple of 4"):
+        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=32, expert_neurons=10))
     with pytest.raises(ValueError, match="equal experts"):
-        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=36))
+        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=36, expert_neurons=None))
+    with pytest.raises(ValueError, match="pool of 64"):
+        moe_config(dense, MoeLayout(n_experts=8, top_k=2, shared_neurons=32, expert_neurons=68))
 
 
 def test_conversion_of_a_tiny_dense_model_is_reproducible_and_loads_as_qwen2_moe(tmp_path):
@@ -149,7 +204,7 @@ def test_conversion_of_a_tiny_dense_model_is_reproducible_and_loads_as_qwen2_moe
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     dense = LlamaForCausalLM(config).eval()
     calib = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
-    layout = MoeLayout(n_experts=8, top_k=2, shared_neurons=64, router_batch=128, router_steps=30)
+    layout = MoeLayout(n_experts=8, top_k=2, shared_neurons=64, expert_neurons=8, router_batch=128, router_steps=30)
     first, report = convert(dense, calib, layout)
     second, _ = convert(dense, calib, layout)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):

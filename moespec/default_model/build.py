@@ -27,10 +27,11 @@ from moespec.errors import OutputError
 from moespec.paths import models_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-moe-e16k4"
-RECIPE_VERSION = 4  # bump when the recipe changes: older builds are then rebuilt
+RECIPE_VERSION = 5  # bump when the recipe changes: older builds are then rebuilt
 MARKER_FILE = "moespec_build.json"
 GATES_FILE = "gates.json"
 CALIB_WINDOWS, EVAL_WINDOWS, WINDOW_TOKENS = 64, 8, 512
+CHAT_WINDOWS = 11  # of the CALIB_WINDOWS: all of chat_calibration.txt (5.9k tokens), the rest prose
 EXPECTED_MINUTES = "9-11"  # on 2 CPU cores, measured (recipe 4: 9 min 44 s incl. the gate measurements)
 
 
@@ -69,6 +70,21 @@ def ensure_default_model(console: Console | None = None, rebuild: bool = False) 
         console.print(f"[yellow]{folder} is incomplete or from an older recipe; building it again[/]")
     _build(folder, console)
     return folder
+
+
+def calibration_windows(tokenizer) -> torch.Tensor:
+    """The conversion's calibration token ids: [CALIB_WINDOWS, WINDOW_TOKENS] int64.
+
+    CHAT_WINDOWS windows of chat transcripts (moespec.data.chat_calibration_text), then prose
+    (State of the Union addresses): a model that is mostly used to chat is fitted on chat turns
+    too, and the last rows, which the conversion holds back to report its errors, stay prose.
+    """
+    from moespec.data import calibration_text, chat_calibration_text
+    from moespec.default_model import gates
+
+    chat = gates.eval_windows(tokenizer, chat_calibration_text(), CHAT_WINDOWS, WINDOW_TOKENS)
+    prose = gates.eval_windows(tokenizer, calibration_text(), CALIB_WINDOWS - CHAT_WINDOWS, WINDOW_TOKENS)
+    return torch.cat([chat, prose])
 
 
 def _step(console: Console, text: str, start: float) -> float:
@@ -124,7 +140,7 @@ def _build_into(out: Path, console: Console) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from moespec.data import heldout_text, calibration_text
+    from moespec.data import heldout_text
     from moespec.default_model import card, gates, source
     from moespec.default_model.convert import MoeLayout, convert
 
@@ -138,7 +154,7 @@ def _build_into(out: Path, console: Console) -> None:
     t = _step(console, "dense SmolLM2-135M-Instruct loaded", t)
 
     layout = MoeLayout()
-    calib = gates.eval_windows(tokenizer, calibration_text(), CALIB_WINDOWS, WINDOW_TOKENS)  # [N, S]
+    calib = calibration_windows(tokenizer)  # [N, S]
     n_layers = dense.config.num_hidden_layers
     with Progress(TextColumn("  converting layers"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from moespec.data import CALIBRATION_DESCRIPTION, HELDOUT_DESCRIPTION
+from moespec.data import CALIBRATION_DESCRIPTION, CHAT_CALIBRATION_DESCRIPTION, HELDOUT_DESCRIPTION
 from moespec.default_model.convert import ConversionReport, MoeLayout
 from moespec.default_model.gates import GateReport
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / max(1, len(values))
+
+
+def _experts_text(layout: MoeLayout) -> str:
+    if layout.expert_neurons is None:
+        return (f"The pool is partitioned into {layout.n_experts} routed experts of equal size by balanced k-means "
+                "on the neurons' co-activation profiles (MoEfication, Zhang et al. 2022).")
+    return (f"The calibration tokens' FFN inputs are clustered by direction into {layout.n_experts} balanced "
+            f"groups; each token joins its {layout.top_k} nearest, and routed expert e takes the "
+            f"{layout.expert_neurons} pool neurons whose mean contribution on its tokens is highest relative "
+            "to their mean over all tokens. Experts may share neurons (each keeps its own copy and its own "
+            "refitted down projection), so they specialise: routing matters, and each token's experts "
+            "hold the pool neurons that matter for it.")
 
 
 def render_card(name: str, source: str, layout: MoeLayout, calib_tokens: int, gates: GateReport,
@@ -49,11 +61,10 @@ tokenizer and chat template included).
 
 ## Method
 Per layer, in order, on {calib_tokens} calibration tokens that flow through the already converted
-layers ({CALIBRATION_DESCRIPTION}):
+layers ({CHAT_CALIBRATION_DESCRIPTION}; then {CALIBRATION_DESCRIPTION}):
 1. The dense SwiGLU FFN (1536 neurons) is split by neurons: the {layout.shared_neurons} most important
    (mean |activation| x down-projection norm) form the shared expert; the other
-   {1536 - layout.shared_neurons} form {layout.n_experts} routed experts of equal size by balanced
-   k-means on their co-activation profiles (MoEfication, Zhang et al. 2022).
+   {1536 - layout.shared_neurons} are the routed pool. {_experts_text(layout)}
 2. A bias-free linear router is fitted to pick, per token, the {layout.top_k} experts whose output
    removes the most error (least-squares start, then softmax cross-entropy by Adam on minibatches
    of {layout.router_batch} tokens drawn from all calibration tokens: measured, a router fitted on a

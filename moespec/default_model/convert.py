@@ -3,7 +3,8 @@
 Per layer l, on calibration tokens flowing through the *already converted* layers 0..l-1
 (so each router is fitted on the inputs it will see, as in GPTQ-style sequential methods):
 1. run layer l's attention to get r_l and the FFN input s_l = post_attention_layernorm(r_l);
-2. split the dense FFN's neurons into a shared expert and E routed experts (split.py);
+2. split the dense FFN's neurons into a shared expert and E routed experts specialised to token
+   clusters (split.py; experts may share neurons);
 3. fit the router on s_l (router_fit.py), then refit all down projections by ridge least
    squares given the router's choices and weights (refit.py);
 4. write the Qwen2-MoE block: shared expert with its down projection times 2 and a zero
@@ -14,7 +15,7 @@ Attention, norms and embeddings are copied unchanged; Qwen2-MoE attention with q
 and no sliding window is Llama attention. Word embeddings stay tied to the LM head.
 
 Shapes: N calibration sequences of S tokens, T = N*S, H hidden, I dense intermediate,
-E routed experts, K experts per token, I_e = (I - n_shared) / E neurons per routed expert.
+E routed experts, K experts per token, I_e neurons per routed expert.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Callable
 import torch
 from transformers import LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from moespec.default_model.refit import moe_features, refit_down, relative_error
+from moespec.default_model.refit import moe_features, refit_down_routed, relative_error
 from moespec.default_model.router_fit import fit_router, oracle_topk_factored, topk_weights
-from moespec.default_model.split import split_neurons
+from moespec.default_model.split import cluster_experts, split_neurons
 
 
 WORK_DTYPE = torch.float64  # every fit and the calibration forward (see convert())
@@ -43,6 +44,9 @@ class MoeLayout:
         n_experts: routed experts per layer (E).
         top_k: routed experts per token (K).
         shared_neurons: dense neurons kept in the always-on shared expert.
+        expert_neurons: I_e, neurons per routed expert, taken by split.cluster_experts (experts
+            specialised to token clusters, may overlap); None partitions the pool instead
+            (split.split_neurons, I_e = pool / E).
         router_steps: Adam steps per router (router_fit.fit_router).
         router_batch: calibration tokens per Adam step of the router fit (minibatches over all of them).
         ridge: damping of the down-projection refit (refit.refit_down).
@@ -52,7 +56,11 @@ class MoeLayout:
 
     n_experts: int = 16
     top_k: int = 4
-    shared_neurons: int = 1088  # recipe 3: 1024 measured 1.42x dense ppl, 1088 1.34x (routed bytes 0.29)
+    # recipe 5 (chat + prose calibration), measured exact / random-routing perplexity ratios: shared
+    # 1024 with 80-neuron clustered experts 1.260x dense / 1.188x; 992 + 80: 1.290x / 1.186x;
+    # prose only, 1024 + 64: 1.280x / 1.150x; 960 + 96: 1.301x / 1.178x; 1088 + 80: 1.201x / 1.111x.
+    shared_neurons: int = 1024
+    expert_neurons: int | None = 80
     router_steps: int = 100
     router_batch: int = 2048  # 1024-4096 measured equal (layer 3 held error 0.0911); 2048 is ~2x faster than 4096
     ridge: float = 1e-3
@@ -99,12 +107,18 @@ def moe_config(dense: LlamaForCausalLM, layout: MoeLayout) -> Qwen2MoeConfig:
     """
     c = dense.config
     routed = c.intermediate_size - layout.shared_neurons
-    if routed <= 0 or routed % layout.n_experts:
-        raise ValueError(f"{routed} routed neurons cannot form {layout.n_experts} equal experts")
-    if (routed // layout.n_experts) % 4:
+    if layout.expert_neurons is None:
+        if routed <= 0 or routed % layout.n_experts:
+            raise ValueError(f"{routed} routed neurons cannot form {layout.n_experts} equal experts")
+        width = routed // layout.n_experts
+    elif not 0 < layout.expert_neurons <= routed:
+        raise ValueError(f"experts of {layout.expert_neurons} neurons cannot come from a pool of {routed}")
+    else:
+        width = layout.expert_neurons
+    if width % 4:
         # transformers' grouped expert matmul (torch._grouped_mm) needs 16-byte strides: a float32
         # expert of 26 neurons fails at inference time, so refuse it here.
-        raise ValueError(f"experts of {routed // layout.n_experts} neurons: the width must be a multiple of 4")
+        raise ValueError(f"experts of {width} neurons: the width must be a multiple of 4")
     return Qwen2MoeConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
@@ -113,7 +127,7 @@ def moe_config(dense: LlamaForCausalLM, layout: MoeLayout) -> Qwen2MoeConfig:
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_parameters["rope_theta"]},
         tie_word_embeddings=True, qkv_bias=False, use_sliding_window=False,
         decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=routed // layout.n_experts, shared_expert_intermediate_size=layout.shared_neurons,
+        moe_intermediate_size=width, shared_expert_intermediate_size=layout.shared_neurons,
         num_experts=layout.n_experts, num_experts_per_tok=layout.top_k, norm_topk_prob=True,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
         architectures=["Qwen2MoeForCausalLM"], dtype="float32",
@@ -147,22 +161,33 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     w_up = dense_mlp.up_proj.weight  # [I, H]
     w_down = dense_mlp.down_proj.weight  # [H, I]
     act = torch.nn.functional.silu(s @ w_gate.T) * (s @ w_up.T)  # [T, I]
-    target = act @ w_down.T  # [T, H] dense FFN output
     n_fit = s.shape[0] - s.shape[0] // 10
-    split = split_neurons(act[:n_fit], w_down, layout.shared_neurons, layout.n_experts)
+    if layout.expert_neurons is None:
+        split = split_neurons(act[:n_fit], w_down, layout.shared_neurons, layout.n_experts)
+    else:
+        split = cluster_experts(s[:n_fit], act[:n_fit], w_down, layout.shared_neurons, layout.n_experts,
+                                layout.top_k, layout.expert_neurons, seed=layout.seed)
     idx = split.experts  # [E, I_e]
     act_shared, act_routed = act[:, split.shared], act[:, idx]  # [T, n_sh], [T, E, I_e]
+    # What the routed experts should add: the dense output of the pool neurons (the sum of the
+    # experts' outputs would count neurons that several experts share more than once).
+    pool = torch.ones(w_down.shape[1], dtype=torch.bool).index_fill_(0, split.shared, False)  # [I]
+    routed_target = act[:, pool] @ w_down[:, pool].T  # [T, H]
     del act
+    shared_target = act_shared @ w_down[:, split.shared].T  # [T, H] the shared neurons' dense output
+    target = shared_target + routed_target  # [T, H] dense FFN output
 
-    oracle = oracle_topk_factored(act_routed[:n_fit], w_down[:, idx], layout.top_k)  # [T_fit, K]
+    oracle = oracle_topk_factored(act_routed[:n_fit], w_down[:, idx], layout.top_k, routed_target[:n_fit])  # [T_fit, K]
     fit = fit_router(s[:n_fit], oracle, layout.n_experts, steps=layout.router_steps,
                      batch_tokens=layout.router_batch, seed=layout.seed)
 
     logits = s @ fit.weight.T  # [T, E]
     weights, ids = topk_weights(logits, layout.top_k)  # [T, K]
-    features = moe_features(act_shared, act_routed, ids, weights)  # [T, I]
-    down = refit_down(features[:n_fit], target[:n_fit], layout.ridge, layout.relative_refit)  # [H, I]
-    output = features @ down.T  # [T, H] the converted layer's output (returned, and scored on held rows)
+    down = refit_down_routed(act_shared[:n_fit], act_routed[:n_fit], ids[:n_fit], weights[:n_fit], target[:n_fit],
+                             layout.ridge, layout.relative_refit)  # [H, I]
+    n_sh = layout.shared_neurons
+    routed_features = moe_features(act_shared[:, :0], act_routed, ids, weights)  # [T, E * I_e]
+    output = act_shared @ down[:, :n_sh].T + routed_features @ down[:, n_sh:].T  # [T, H] (returned, scored on held rows)
     held = slice(n_fit, None)  # the report's random routing runs on the held-back rows only
     gen = torch.Generator().manual_seed(layout.seed)
     rand_ids = torch.topk(torch.rand(logits[held].shape, generator=gen), layout.top_k, dim=-1).indices  # [T_h, K]
@@ -171,9 +196,9 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     report = LayerReport(layer=-1, recall=fit.recall, seconds=0.0,
                          rel_err=relative_error(target[held], output[held]),
                          random_rel_err=relative_error(target[held], rand_features @ down.T),
-                         shared_only_rel_err=relative_error(target[held], act_shared[held] @ w_down[:, split.shared].T))
+                         shared_only_rel_err=relative_error(target[held], shared_target[held]))
 
-    n_sh, (n_experts, i_e) = layout.shared_neurons, idx.shape
+    n_experts, i_e = idx.shape
     shared = block.shared_expert
     shared.gate_proj.weight.copy_(w_gate[split.shared])
     shared.up_proj.weight.copy_(w_up[split.shared])

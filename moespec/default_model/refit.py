@@ -66,6 +66,53 @@ def refit_down(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3
     return torch.linalg.solve(gram, features.T @ target).T  # [H, I]
 
 
+def refit_down_routed(act_shared: torch.Tensor, act_routed: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3,
+                      relative: bool = True) -> torch.Tensor:
+    """:func:`refit_down` on :func:`moe_features` without multiplying the routed zeros.
+
+    The features of a token are zero for its E - K unchosen experts, so the Gram matrix X^T X
+    is built by blocks: shared x shared over all tokens, and for each expert e only over the
+    tokens routed to e (expert e x shared, expert e x every routed expert). With n_sh = 1088,
+    E = 16, K = 4, I_e = 56 that is ~2.4x fewer multiply-adds than the dense X^T X (the
+    shared block dominates). ``refit_down(moe_features(...))`` is the slow reference (tested equal).
+
+    Args:
+        act_shared: [T, n_sh] shared expert activations.
+        act_routed: [T, E, I_e] routed expert activations.
+        ids: [T, K] chosen experts (distinct per token).
+        weights: [T, K] their weights.
+        target: [T, H] the output the layer should produce.
+        ridge, relative: as in :func:`refit_down`.
+
+    Returns:
+        [H, n_sh + E * I_e] down projection in the activations' dtype, columns in feature order.
+    """
+    n_tokens, n_experts, width = act_routed.shape
+    n_sh = act_shared.shape[1]
+    if relative:
+        scale = target.pow(2).sum(-1, keepdim=True).clamp_min(1e-12).rsqrt()  # [T, 1]
+        act_shared, target = act_shared * scale, target * scale
+        weights = weights.to(act_routed.dtype) * scale
+    routed = moe_features(act_shared[:, :0], act_routed, ids, weights)  # [T, E * I_e], zeros where unchosen
+    size = n_sh + n_experts * width
+    gram = torch.empty(size, size, dtype=act_shared.dtype)
+    rhs = torch.empty(size, target.shape[1], dtype=act_shared.dtype)
+    gram[:n_sh, :n_sh] = act_shared.T @ act_shared
+    rhs[:n_sh] = act_shared.T @ target
+    for e in range(n_experts):
+        rows = (ids == e).any(dim=1).nonzero().flatten()  # tokens routed to e
+        block = routed[rows, e * width:(e + 1) * width]  # [T_e, I_e]
+        cols = slice(n_sh + e * width, n_sh + (e + 1) * width)  # expert e's rows of the Gram
+        gram[cols, :n_sh] = block.T @ act_shared[rows]
+        gram[:n_sh, cols] = gram[cols, :n_sh].T
+        gram[cols, n_sh:] = block.T @ routed[rows]
+        rhs[cols] = block.T @ target[rows]
+    damp = ridge * gram.diagonal().mean()
+    gram.diagonal().add_(damp)
+    return torch.linalg.solve(gram, rhs).T  # [H, I]
+
+
 def relative_error(target: torch.Tensor, pred: torch.Tensor) -> float:
     """Mean over tokens of ||target - pred||^2 / ||target||^2; [T, H] inputs."""
     return float(((target - pred).pow(2).sum(-1) / target.pow(2).sum(-1).clamp_min(1e-12)).mean())

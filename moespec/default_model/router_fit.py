@@ -36,7 +36,7 @@ class RouterFit:
     recall: float
 
 
-def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
+def oracle_topk(outputs: torch.Tensor, k: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Per token, the K experts whose output alone removes the most routed-output error.
 
     The slow reference of :func:`oracle_topk_factored` (it materialises every expert's output).
@@ -44,17 +44,19 @@ def oracle_topk(outputs: torch.Tensor, k: int) -> torch.Tensor:
     Args:
         outputs: [T, E, H] floating-point routed expert outputs o_e.
         k: experts per token.
+        residual: [T, H] the output the routed experts should produce, R; None means sum_f o_f
+            (right for a partition of the neurons; experts that share neurons would count them twice).
 
     Returns:
-        [T, K] int64 expert ids, best first (gain 2<o_e, R> - ||o_e||^2, R = sum_f o_f).
+        [T, K] int64 expert ids, best first (gain 2<o_e, R> - ||o_e||^2).
     """
-    total = outputs.sum(dim=1, keepdim=True)  # [T, 1, H]
+    total = outputs.sum(dim=1, keepdim=True) if residual is None else residual[:, None]  # [T, 1, H]
     gain = 2 * (outputs * total).sum(-1) - outputs.pow(2).sum(-1)  # [T, E]
     return torch.topk(gain, k, dim=-1).indices  # [T, K]
 
 
 def oracle_topk_factored(act_routed: torch.Tensor, down_routed: torch.Tensor, k: int,
-                         chunk: int = 4096) -> torch.Tensor:
+                         residual: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
     """:func:`oracle_topk` for o_e = D_e a_e without building the [T, E, H] outputs.
 
     <o_e, R> = a_e . (D_e^T R) and ||o_e||^2 = a_e^T (D_e^T D_e) a_e, so the gains need two
@@ -66,6 +68,7 @@ def oracle_topk_factored(act_routed: torch.Tensor, down_routed: torch.Tensor, k:
         act_routed: [T, E, I_e] routed expert activations a_e.
         down_routed: [H, E, I_e] routed expert down projections D_e.
         k: experts per token.
+        residual: [T, H] R, as in :func:`oracle_topk` (None: sum_e o_e).
         chunk: tokens per step (bounds the temporaries).
 
     Returns:
@@ -77,9 +80,14 @@ def oracle_topk_factored(act_routed: torch.Tensor, down_routed: torch.Tensor, k:
     ids = []
     for start in range(0, n_tokens, chunk):
         a = act_routed[start:start + chunk]  # [t, E, I_e]
-        total = a.reshape(a.shape[0], -1) @ flat_down.T  # [t, H] R = sum_e o_e
+        if residual is None:
+            total = a.reshape(a.shape[0], -1) @ flat_down.T  # [t, H] R = sum_e o_e
+        else:
+            total = residual[start:start + chunk]  # [t, H]
         proj = (total @ flat_down).reshape(a.shape)  # [t, E, I_e] D_e^T R
-        gain = 2 * (a * proj).sum(-1) - torch.einsum("tei,eij,tej->te", a, gram, a)  # [t, E]
+        a_e = a.transpose(0, 1)  # [E, t, I_e]
+        norms = (torch.bmm(a_e, gram) * a_e).sum(-1).T  # [t, E] ||o_e||^2 (bmm: ~2x faster than einsum here)
+        gain = 2 * (a * proj).sum(-1) - norms  # [t, E]
         ids.append(torch.topk(gain, k, dim=-1).indices)
     return torch.cat(ids) if ids else torch.zeros(0, k, dtype=torch.int64)
 
