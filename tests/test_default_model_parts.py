@@ -217,3 +217,19 @@ def test_conversion_of_a_tiny_dense_model_is_reproducible_and_loads_as_qwen2_moe
     assert loaded.config.model_type == "qwen2_moe"
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=calib).logits, first(input_ids=calib).logits)
+
+
+def test_keep_freed_memory_applies_on_glibc_and_changes_no_result():
+    import platform
+
+    from moespec.default_model.heap import keep_freed_memory
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2000, 3000, generator=gen, dtype=torch.float64)  # 48 MB: above any mmap threshold
+    want = x.T @ x
+    with keep_freed_memory() as applied:
+        got = x.T @ x
+        for _ in range(3):
+            torch.empty(8_000_000, dtype=torch.float64).fill_(1.0)  # allocated and freed: kept for reuse
+    assert applied == (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    assert torch.equal(got, want)

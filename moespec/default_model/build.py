@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moespec.default_model.heap import keep_freed_memory
 from moespec.errors import OutputError
 from moespec.paths import models_dir
 
@@ -110,7 +111,8 @@ def _build(folder: Path, console: Console) -> None:
     # changes no result that is kept (the values are < 1.2e-38). Restored to torch's default after.
     torch.set_flush_denormal(True)
     try:
-        _build_into(tmp, console)
+        with keep_freed_memory():  # fewer page faults: the conversion ~20% faster (heap.py)
+            _build_into(tmp, console)
         _move_into_place(tmp, folder)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
