@@ -65,17 +65,18 @@ def test_build_is_a_standard_qwen2_moe_checkpoint(built):
 
 @pytest.mark.slow
 def test_gates_are_measured_and_recorded_in_the_card(built):
-    """The gate numbers are measured and written into gates.json and the card, pass or fail.
-
-    Recipe 4 meets the perplexity gate (measured 1.27x dense) and the structural gates. Issue 3's
-    routing gate (random >= 1.15x exact; measured 1.12x) and the 2+2 answer are NOT met yet; the card
-    says so, and this test checks that they are recorded, not that they pass.
+    """The gate numbers are measured and written into gates.json and the card, and issue 3's
+    quality, routing and structural gates pass (recipe 5 measured: exact 1.260x dense, random
+    routing 1.188x exact, routed byte share 0.554, all three answers correct). The conversion-time
+    gate depends on the machine: it is recorded, not asserted.
     """
     folder, _ = built
     gates = json.loads((folder / "gates.json").read_text())
     assert gates["dense_ppl"] < gates["moe_ppl"] < gates["random_ppl"]  # routing matters at all
     assert gates["moe_ppl"] <= 1.3 * gates["dense_ppl"]  # issue 3's quality gate (perplexity part)
     assert gates["checks"]["quality: moe_ppl <= 1.3 x dense_ppl"]
+    assert gates["random_ppl"] >= 1.15 * gates["moe_ppl"]  # issue 3's routing gate
+    assert gates["checks"]["short factual answers correct"], gates["answers"]
     assert gates["routed_byte_share"] >= 0.25 and gates["n_experts"] >= 16
     assert gates["conversion_s"] > 0 and gates["eval_tokens"] >= 2048
     assert set(gates["checks"]) and gates["all_pass"] == all(gates["checks"].values())
