@@ -4,7 +4,9 @@ The default model's calibration text was State of the Union prose only, so no ro
 saw a chat turn. This script asks the dense SmolLM2-135M-Instruct (the GGUF moespec already caches
 for the default model) short questions written for moespec (none of them is one of the gates'
 FACT_QUESTIONS), renders each exchange with the model's own chat template and writes the
-transcripts, separated by blank lines. Greedy decoding, float32, so a rerun writes the same file.
+transcripts, separated by blank lines. Greedy decoding in float32: a rerun writes the same file
+unless a near-tied next token flips with the CPU kernels' last-bit differences; the file is
+vendored, so builds never depend on a rerun.
 
 Usage: python scripts/make_chat_calibration.py   (needs the cached source: moespec download --default)
 """
@@ -14,9 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moespec.default_model import source
 from moespec.fsutil import atomic_write_text
