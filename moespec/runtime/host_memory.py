@@ -18,8 +18,7 @@ import weakref
 import torch
 
 from moespec.errors import BudgetError
-
-HEADROOM_BYTES = 512 * 2**20  # left for the process itself (Python, torch, tokenizer, buffers)
+from moespec.hub.sizes import HOST_HEADROOM_BYTES as HEADROOM_BYTES  # one number, also in `moespec models`
 
 
 def available_bytes() -> int:
