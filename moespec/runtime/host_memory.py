@@ -22,7 +22,14 @@ from moespec.hub.sizes import HOST_HEADROOM_BYTES as HEADROOM_BYTES  # one numbe
 
 
 def available_bytes() -> int:
-    """Host RAM that can be allocated without swapping, in bytes (Linux MemAvailable; else free pages)."""
+    """Host RAM that can be allocated without swapping, in bytes (Linux MemAvailable; else free pages).
+
+    ``MOESPEC_HOST_RAM_BYTES`` overrides it, for hosts whose memory grows on use (a VM balloon shows a
+    small MemAvailable at start).
+    """
+    override = os.environ.get("MOESPEC_HOST_RAM_BYTES")
+    if override:
+        return int(override)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -44,7 +51,7 @@ def check_host_memory(need_bytes: int, what: str) -> None:
         raise BudgetError(f"{what} needs {need_bytes / 2**30:.1f} GiB of host RAM; "
                           f"{have / 2**30:.1f} GiB is available",
                           "free host memory or use a machine with more RAM (`moespec models` lists the "
-                          "RAM each model needs)")
+                          "RAM each model needs; MOESPEC_HOST_RAM_BYTES overrides the check)")
 
 
 def _unregister(ptr: int, device: torch.device) -> None:
