@@ -49,8 +49,9 @@ class CudaBackend:
 
     def stream(self, high_priority: bool):
         """A new stream; high priority maps to the device's highest (lower number = higher)."""
-        lo, hi = torch.cuda.Stream.priority_range()
-        return torch.cuda.Stream(device=self.device, priority=hi if high_priority else lo)
+        with torch.cuda.device(self.device):  # why: the range query needs a context: this device's
+            lo, hi = torch.cuda.Stream.priority_range()
+            return torch.cuda.Stream(device=self.device, priority=hi if high_priority else lo)
 
     def event(self, timing: bool = False):
         """A new event (timing events cost more: only made while something records)."""
