@@ -152,7 +152,8 @@ def bandwidth(args) -> int:
         exact = PinnedBuffer(nbytes, dev)
         row = {"bytes": nbytes,
                "pinned_exact": _h2d_gbps(torch, exact.tensor, dst),
-               "pinned_caching_allocator": _h2d_gbps(torch, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), dst),
+               "pinned_caching_allocator": _h2d_gbps(
+                   torch, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), dst),
                "pageable": _h2d_gbps(torch, torch.empty(nbytes, dtype=torch.uint8), dst)}
         exact.close()
         out["sizes"][label] = row
@@ -179,8 +180,9 @@ def bandwidth(args) -> int:
         b.synchronize()
         times.append(a.elapsed_time(b))
     store.close()
+    one_copy_ms = expert_bytes / out["sizes"]["one_expert"]["pinned_exact"] / 1e6
     out["demand_behind_16_prefetches_ms"] = {"moespec_engine": ours, "one_fifo_stream": min(times),
-                                            "one_expert_copy_ms": expert_bytes / out["sizes"]["one_expert"]["pinned_exact"] / 1e6}
+                                            "one_expert_copy_ms": one_copy_ms}
     log(f"demand copy behind 16 prefetches: {ours:.2f} ms (moespec), {min(times):.2f} ms (one FIFO stream)")
     write_json(Path(args.work) / "bandwidth.json", out)
     return 0
@@ -235,15 +237,16 @@ def syncs(args) -> int:
     folder = Path(args.work) / "qwen3-30b-a3b-slice"
     build_info = json.loads((Path(args.work) / "build.json").read_text())
     device = "cpu" if args.smoke else "cuda:0"
+    two_layers = 2 * build_info["num_experts"] * build_info["expert_bytes"]
     om = load_offloaded(folder, RuntimeConfig(device=device, dtype="bfloat16", predictor=Predictor.ROUTER,
-                                              gpu_memory_bytes=2 * build_info["num_experts"] * build_info["expert_bytes"]),
-                        StatsRecorder())
+                                              gpu_memory_bytes=two_layers), StatsRecorder())
     refs = list(om.runner.predictor.refs.values())
     main = threading.get_ident()
     out = {"method": "torch.cuda.set_sync_debug_mode('warn'), warnings of the compute thread per decode token",
            "moe_layers": len(om.store.moe_layers), "runs": []}
     try:
-        for name, pred, mode in (("none", NoPredictor, ExecuteMode.EXACT), ("router", RouterPredictor, ExecuteMode.EXACT),
+        for name, pred, mode in (("none", NoPredictor, ExecuteMode.EXACT),
+                                 ("router", RouterPredictor, ExecuteMode.EXACT),
                                  ("router", RouterPredictor, ExecuteMode.SPECULATIVE)):
             om.runner.predictor, om.runner.execute = pred(om.adapter, refs), mode
             engine = Engine(om)
@@ -293,9 +296,9 @@ def report(args) -> int:
     strategies = []
     if prof is not None:
         for r in prof["results"]:
-            strategies.append({k: r.get(k) for k in ("strategy", "prompt_len", "tpot_ms", "ttft_ms", "stall_ms_per_token",
-                                                     "h2d_bytes_per_token", "overlap_fraction", "tpot_ratio_vs_none",
-                                                     "link_gbps_achieved")})
+            keys = ("strategy", "prompt_len", "tpot_ms", "ttft_ms", "stall_ms_per_token", "h2d_bytes_per_token",
+                    "overlap_fraction", "tpot_ratio_vs_none", "link_gbps_achieved")
+            strategies.append({k: r.get(k) for k in keys})
     rss = [p.get("max_rss_gib", 0.0) for p in (pieces["build"], pieces["syncs"]) if p]
     ckpt_gib = (pieces["build"] or {}).get("bytes", 0) / GIB
     peak = {"max_process_rss_gib": max(rss, default=None), "checkpoint_gib": ckpt_gib,
