@@ -55,8 +55,10 @@ def _conversation(om) -> list[int]:
 
 
 def _load(folder, predictor: str, mode: ExecuteMode, extra_slots: int):
+    from transformers import AutoConfig
+
     kind = Predictor.NONE if predictor == "none" else Predictor.ROUTER
-    top_k = 2
+    top_k = AutoConfig.from_pretrained(folder).num_experts_per_tok
     cfg = RuntimeConfig(cache_experts=min_slots(top_k, kind) + extra_slots, predictor=kind, execute=mode,
                         fetch_threshold=0.3)
     om = load_offloaded(folder, cfg, StatsRecorder())
@@ -94,7 +96,17 @@ CONFIGS = [("none", ExecuteMode.EXACT, 0, 2)] + [
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 @pytest.mark.parametrize("predictor,mode,extra_slots,window", CONFIGS)
 def test_orderings_and_bytes_with_cuda_semantics(tiny_models, family, predictor, mode, extra_slots, window):
-    folder = tiny_models[family]
+    _check_orderings_and_bytes(tiny_models[family], family, predictor, mode, extra_slots, window)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss_mxfp4", "deepseek_v3"])
+@pytest.mark.parametrize("mode", [ExecuteMode.EXACT, ExecuteMode.GUARDED])
+def test_orderings_with_packed_rows_and_dense_first_layers(adapter_models, family, mode):
+    """MXFP4 rows are bytes (poisoned with 0xFF, not NaN); DeepSeek-V3 has a dense first layer."""
+    _check_orderings_and_bytes(adapter_models[family], family, "shifted", mode, 1, 1)
+
+
+def _check_orderings_and_bytes(folder, family, predictor, mode, extra_slots, window):
     seed = hash((family, predictor, mode.value, extra_slots)) % 1000
     if mode == ExecuteMode.EXACT:  # the plain CPU engine's tokens are the reference
         ref = _load(folder, predictor, mode, extra_slots)
