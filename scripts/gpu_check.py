@@ -273,10 +273,11 @@ def syncs(args) -> int:
             finally:
                 if not args.smoke:
                     torch.cuda.set_sync_debug_mode("default")
-            per_token = sum(counts) / max(n, 1)
+            # On CPU there is nothing to count (the debug mode is CUDA's): None, not a misleading 0.
+            per_token = None if args.smoke else sum(counts) / max(n, 1)
             out["runs"].append({"predictor": name, "execute": mode.value, "tokens": n, "syncs_per_token": per_token,
-                                "syncs_per_moe_layer": per_token / out["moe_layers"]})
-            log(f"syncs/token {name} {mode.value}: {per_token:.1f} ({out['moe_layers']} MoE layers)")
+                                "syncs_per_moe_layer": None if per_token is None else per_token / out["moe_layers"]})
+            log(f"syncs/token {name} {mode.value}: {per_token} ({out['moe_layers']} MoE layers)")
     finally:
         om.close()
     out["max_rss_gib"] = _max_rss_gib()
@@ -327,8 +328,11 @@ def report(args) -> int:
                      f"stall {s['stall_ms_per_token']:.2f} ms/token, "
                      f"H2D {s['h2d_bytes_per_token'] / 1e6:.1f} MB/token")
     for r in (pieces["syncs"] or {}).get("runs", []):
+        if r["syncs_per_token"] is None:
+            lines.append(f"syncs/token {r['predictor']} {r['execute']}: n/a on CPU ({r['tokens']} tokens ran)")
+            continue
         lines.append(f"syncs/token {r['predictor']} {r['execute']}: {r['syncs_per_token']:.1f} "
-                     f"({r['syncs_per_moe_layer']:.2f} per MoE layer)")
+                     f"({r['syncs_per_moe_layer']:.2f} per MoE layer, incl. reading the sampled token)")
     lines.append(f"peak host memory: largest process {peak['max_process_rss_gib'] or 0:.1f} GiB "
                  f"+ checkpoint {ckpt_gib:.1f} GiB{' in RAM (/dev/shm)' if peak['checkpoint_in_ram'] else ' on disk'}")
     lines.append(f"steps (s): {args.step_seconds}")
