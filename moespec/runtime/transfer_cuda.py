@@ -169,9 +169,12 @@ class CudaTransferEngine(TransferEngine):
         if 0 <= slot < len(self._last):
             self._last[slot] = (stream, t.done)
 
-    def _release(self) -> None:
-        """Retire finished released prefetches and release queued ones up to the window (non-blocking)."""
-        while self._inflight and self.backend.query(self._inflight[0]):
+    def _release(self, retire: bool = True) -> None:
+        """Retire finished released prefetches (``retire``) and release queued ones up to the window.
+
+        Never blocks. With a pump thread only the pump retires: a marker it waits on is never re-recorded.
+        """
+        while retire and self._inflight and self.backend.query(self._inflight[0]):
             self._markers.append(self._inflight.popleft())
         while self._queue and self._markers:
             job = self._queue.popleft()
@@ -212,7 +215,7 @@ class CudaTransferEngine(TransferEngine):
             if prefetch:
                 self._queue.append(job)
                 self._queued[slot] = job
-                self._release()
+                self._release(retire=self._thread is None)
                 self._cv.notify()
             else:
                 self._issue(job, self.demand_stream)
@@ -281,7 +284,9 @@ class CudaTransferEngine(TransferEngine):
                 self._issue(job, self.prefetch_stream)
         self.backend.synchronize()
         with self._cv:
-            self._release()
+            self._release(retire=self._thread is None)
+            if self._thread is not None:
+                self._cv.notify()  # the pump retires the (now finished) released copies
             for start, end in self._spans:
                 self._busy_s += self.backend.elapsed_ms(start, end) / 1e3
             self._spans.clear()
