@@ -40,7 +40,9 @@ on_signal() {  # steps run in the background and are waited for, so a signal is 
   exit 130  # the EXIT trap removes $WORK
 }
 trap on_signal INT TERM
-PY=(python scripts/gpu_check.py --work "$WORK" --out-dir "$OUT_DIR" --layers "$LAYERS" $SMOKE_FLAG)
+# The GPU image's interpreter is python3 (/opt/torch/.venv); PYTHON overrides.
+PYBIN="${PYTHON:-$(command -v python3 || command -v python)}"
+PY=("$PYBIN" scripts/gpu_check.py --work "$WORK" --out-dir "$OUT_DIR" --layers "$LAYERS" $SMOKE_FLAG)
 
 report() {  # best effort, also after a failure: what ran is reported
   timeout -k 2 10 "${PY[@]}" report --step-seconds "${STEPS# }" || true
@@ -75,15 +77,15 @@ else
 fi
 step preflight 15 "${PY[@]}" preflight
 if [ -z "${SMOKE:-}" ]; then
-  step cuda-tests 70 bash -c "python -m pytest -m cuda -q -x -p no:cacheprovider tests 2>&1 \
+  step cuda-tests 70 bash -c "'$PYBIN' -m pytest -m cuda -q -x -p no:cacheprovider tests 2>&1 \
     | tee '$OUT_DIR/gpu-check-cuda-tests.txt'; exit \${PIPESTATUS[0]}"
   step bandwidth 20 "${PY[@]}" bandwidth
 fi
 step build 40 "${PY[@]}" build
-EXPERTS_BYTES=$(python -c "import json,sys; b=json.load(open('$WORK/build.json')); print(2*b['num_experts']*b['expert_bytes'])")
+EXPERTS_BYTES=$("$PYBIN" -c "import json,sys; b=json.load(open('$WORK/build.json')); print(2*b['num_experts']*b['expert_bytes'])")
 PLOT=()
-python -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$STEM.png")
-step profile 90 python -m moespec profile "$WORK/qwen3-30b-a3b-slice" "${DEVICE[@]}" --dtype bfloat16 \
+"$PYBIN" -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$STEM.png")
+step profile 90 "$PYBIN" -m moespec profile "$WORK/qwen3-30b-a3b-slice" "${DEVICE[@]}" --dtype bfloat16 \
   --gpu-memory "$EXPERTS_BYTES" --strategies none,router,oracle --prompt-len 128 --gen 16 --repeats 2 \
   --warmup 1 --out "$STEM.json" --trace "$STEM.trace.json" "${PLOT[@]}" --force
 step syncs 45 "${PY[@]}" syncs

@@ -42,33 +42,35 @@ def test_cuda_exact_generation_and_pinned_store(tiny_models, family):
 
 
 @pytest.mark.parametrize("mode", list(ExecuteMode))
-def test_cuda_modes_multi_turn_match_cpu(tiny_models, mode):
-    """The same conversation on CUDA (two streams, pump thread) and on CPU gives the same tokens in exact
-    mode and finite, equally many tokens in the approximate ones; bytes add up on the device."""
+def test_cuda_modes_multi_turn(tiny_models, mode):
+    """A two-turn conversation on CUDA through 4 slots (two streams, pump thread, cancellations) gives,
+    in exact mode, the tokens of the same model with every expert resident (same device, so
+    bit-identical); in every mode the bytes the engine moved are the bytes the stats counted."""
     folder = tiny_models["qwen3_moe"]
 
-    def talk(device):
-        om = load_offloaded(folder, RuntimeConfig(device=device, cache_experts=4, predictor=Predictor.ROUTER,
-                                                  execute=mode, fetch_threshold=0.3), StatsRecorder())
+    def talk(**kw):
+        om = load_offloaded(folder, RuntimeConfig(device="cuda", execute=mode, fetch_threshold=0.3, **kw),
+                            StatsRecorder())
         try:
             eng, ids, out = Engine(om), [], []
             for turn in ([3, 14, 15, 92, 65, 35], [89, 79, 32]):
                 ids = ids + turn
                 new = list(eng.generate(ids, SamplingConfig(max_new_tokens=6)))
                 out, ids = out + new, ids + new
+            om.cache.engine.synchronize()
             moved = om.cache.engine.bytes_moved
             counted = sum(s.total().h2d_bytes for s in om.recorder.steps)
             return out, moved, counted
         finally:
             om.close()
 
-    cpu, _, _ = talk("cpu")
-    cuda, moved, counted = talk("cuda")
+    small, moved, counted = talk(cache_experts=4, predictor=Predictor.ROUTER)
     assert moved == counted
     if mode == ExecuteMode.EXACT:
-        assert cuda == cpu
+        full, _, _ = talk(predictor=Predictor.NONE)  # every expert fits: no offloading pressure
+        assert small == full
     else:
-        assert len(cuda) == len(cpu)
+        assert len(small) == 12
 
 
 def _engine_fixture(n: int, nbytes: int = 32 << 20):  # ~0.7 ms per copy at 50 GB/s
