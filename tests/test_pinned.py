@@ -112,3 +112,29 @@ def test_load_wires_the_recorder_and_timing(tiny_models):
         assert rec2.synchronize == eng.synchronize
     finally:
         om.close()
+
+
+def test_cuda_device_is_always_indexed_and_checked(monkeypatch):
+    from moespec.errors import DeviceError
+    from moespec.runtime.offload import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(DeviceError, match="cuda:2 does not exist"):
+        resolve_device("cuda:2")
+
+
+def test_cpu_engine_copy_supersedes_a_queued_prefetch_and_close_synchronizes():
+    from moespec.runtime.transfer import ThreadTransferEngine
+
+    eng = ThreadTransferEngine(link_gbps=1e-4)  # 20 kB take 0.2 s: the worker stays busy meanwhile
+    slow = eng.submit(torch.zeros(5000), torch.ones(5000), 0)
+    dst = torch.zeros(4)
+    stale = eng.submit(dst, torch.full((4,), 1.0), 1, prefetch=True)
+    fresh = eng.submit(dst, torch.full((4,), 2.0), 1)  # would run before the prefetch (priority)
+    eng.close()  # finishes every copy first
+    assert stale.cancelled and not fresh.cancelled and slow.done.is_set() and fresh.done.is_set()
+    assert dst.tolist() == [2.0] * 4 and eng.bytes_moved == 20000 + 16
