@@ -238,6 +238,8 @@ class CudaTransferEngine(TransferEngine):
     def wait(self, ticket: Ticket) -> Span | None:
         if self._error is not None:
             raise self._error
+        if ticket.cancelled:
+            return None  # it never runs: nothing to wait for
         b = self.backend
         with self._cv:
             job = self._queued.get(ticket.slot)
