@@ -126,3 +126,26 @@ def test_device_guard_equals_reference():
                (want.skipped, want.skipped_mass, want.substituted)
         cases += want.skipped > 0 and want.substituted < want.skipped
     assert cases > 0  # some trials had fewer resident candidates than skipped experts
+
+
+def test_device_counters_equal_direct_reads():
+    """Counters read at end_step (one float64 transfer) equal int()/float() reads made in the layer."""
+    g = torch.Generator().manual_seed(4)
+    rec = StatsRecorder()
+    rec.begin_step("decode", 1)
+    want = {"recall_hits": 0, "weighted_hit": 0.0, "skipped_mass": 0.0, "skipped": 0}
+    for layer in range(3):
+        s = rec.layer(layer)
+        for _ in range(2):
+            w = torch.rand(5, generator=g)  # float32
+            hit = torch.rand(5, generator=g) > 0.5
+            values = {"recall_hits": hit.sum(), "weighted_hit": (w * hit).sum(),
+                      "skipped_mass": (w.double() * ~hit).sum(), "skipped": (~hit).sum()}
+            for name, v in values.items():
+                rec.count(s, name, v)
+                want[name] += int(v) if name in ("recall_hits", "skipped") else float(v)
+    step = rec.end_step()
+    tot = step.total()
+    assert {k: getattr(tot, k) for k in want} == want
+    assert isinstance(tot.recall_hits, int) and isinstance(tot.skipped, int)
+    assert all(s.pending == [] for s in step.layers.values())
