@@ -5,8 +5,8 @@ it sums the K weighted expert outputs of a token in float32 and rounds once (exp
 reference here is ``from_pretrained(dtype=bfloat16)`` with no experts_implementation, run with the
 same prefill/decode schedule as moespec. Stated tolerance: logits within BF16_ATOL (one bf16 ulp
 near the largest tiny-model logits; measured: bit-equal on CPU), greedy tokens equal over 64
-tokens, for every architecture adapter; and the eager loop (rounding after each expert) really is
-further away on the models where the two differ.
+tokens, for every architecture adapter (top-4 models, on which the eager loop, rounding after each
+expert, is measurably further away: the test tells the two sums apart).
 """
 
 from __future__ import annotations
@@ -26,10 +26,16 @@ ADAPTERS = ["gpt_oss", "gpt_oss_mxfp4", "deepseek_v2", "deepseek_v3", "glm4_moe_
 
 
 @pytest.fixture(scope="module")
-def bf16_models(tiny_models, adapter_models, tmp_path_factory) -> dict:
-    """Every family's tiny checkpoint, plus a top-4 Qwen3-MoE (more terms in each token's sum)."""
-    top4 = make_checkpoint(tmp_path_factory.mktemp("bf16") / "qwen3_top4", "qwen3_moe", seed=7, top_k=4)
-    return {**tiny_models, **adapter_models, "qwen3_moe_top4": top4}
+def bf16_models(tmp_path_factory) -> dict:
+    """Every family's tiny checkpoint with top-4 routing (8 experts): with bf16 gate weights a top-2
+    sum rounds once either way, so only K > 2 tells the default sum from the eager one everywhere."""
+    from tiny import make_mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("bf16")
+    out = {f: make_checkpoint(root / f, f, seed=30 + i, top_k=4) for i, f in enumerate(FAMILIES + ADAPTERS)
+           if f != "gpt_oss_mxfp4"}
+    out["gpt_oss_mxfp4"] = make_mxfp4_checkpoint(root / "gpt_oss_mxfp4", seed=40, top_k=4)
+    return out
 
 
 def _reference(folder, **kw):
@@ -50,7 +56,7 @@ def _reference_incremental(ref, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_top4", *ADAPTERS])
+@pytest.mark.parametrize("family", FAMILIES + ADAPTERS)
 def test_bf16_logits_and_64_greedy_tokens_equal_default_implementation(bf16_models, family):
     folder = bf16_models[family]
     ref = _reference(folder)
@@ -59,6 +65,10 @@ def test_bf16_logits_and_64_greedy_tokens_equal_default_implementation(bf16_mode
     with torch.no_grad():
         want_full = ref(ids).logits.float()
     want_inc = _reference_incremental(ref, ids).float()
+    with torch.no_grad():
+        eager = _reference(folder, experts_implementation="eager")(ids).logits.float()
+    gap = (eager - want_full).abs().max()
+    assert gap > 0  # the test can tell the two sums apart on this model
     prompt = [5, 17, 99, 3, 200, 41]
     with torch.no_grad():
         want_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
@@ -72,26 +82,6 @@ def test_bf16_logits_and_64_greedy_tokens_equal_default_implementation(bf16_mode
         tokens = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=64)))
     finally:
         om.close()
-    assert (full - want_full).abs().max() <= BF16_ATOL, (family, (full - want_full).abs().max())
+    assert (full - want_full).abs().max() <= min(BF16_ATOL, gap / 2), (family, (full - want_full).abs().max(), gap)
     assert (inc - want_inc).abs().max() <= BF16_ATOL, (family, (inc - want_inc).abs().max())
     assert tokens == want_tokens
-
-
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe_top4", "deepseek_v3"])
-def test_bf16_default_is_not_the_eager_sum(bf16_models, family):
-    """On these models the eager loop's per-expert rounding shows in the logits; moespec is at
-    least as close to the default as eager is, and strictly closer than eager is to it."""
-    folder = bf16_models[family]
-    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        default = _reference(folder)(ids).logits.float()
-        eager = _reference(folder, experts_implementation="eager")(ids).logits.float()
-    om = load_offloaded(folder, RuntimeConfig(dtype="bfloat16", cache_experts=8))
-    try:
-        with torch.inference_mode():
-            got = om.model(ids).logits.float()
-    finally:
-        om.close()
-    gap = (eager - default).abs().max()
-    assert gap > 0
-    assert (got - default).abs().max() < gap
