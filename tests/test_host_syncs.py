@@ -149,3 +149,20 @@ def test_device_counters_equal_direct_reads():
     assert {k: getattr(tot, k) for k in want} == want
     assert isinstance(tot.recall_hits, int) and isinstance(tot.skipped, int)
     assert all(s.pending == [] for s in step.layers.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4", "deepseek_v2", "deepseek_v3",
+                                    "glm4_moe_lite"])
+def test_syncs_per_layer_every_family(tiny_models, adapter_models, monkeypatch, family):
+    """Routers, shared experts and expert layouts of every family add no sync (guarded, stats on)."""
+    folder = {**tiny_models, **adapter_models}[family]
+    counter = SyncCounter(monkeypatch)
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, execute=ExecuteMode.GUARDED, fetch_threshold=0.4)
+    om = load_offloaded(folder, cfg, StatsRecorder())
+    runs = []
+    om.runner.run = counter.counted(om.runner.run, runs, lambda block, x: x.shape[0])
+    try:
+        list(Engine(om).generate(PROMPT, SamplingConfig(max_new_tokens=4)))
+    finally:
+        om.close()
+    assert runs and max(n for _, n in runs) == REACHED, (runs, counter.calls)
