@@ -66,7 +66,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     Returns:
         ExpertGroups whose per-expert token order equals :func:`token_positions`.
     """
-    flat = ids.reshape(-1)  # [S]
+    flat = ids.reshape(-1).long()  # [S] (scatter_add needs int64 indices)
     pairs = torch.argsort(flat, stable=True)  # [S] by expert, ties (same expert) by pair index
     counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)  # [E]
     counts.scatter_add_(0, flat, torch.ones_like(flat))

@@ -26,7 +26,8 @@ class LayerStats:
     ran; prefetch_cancelled counts mispredicted copies dropped before they started (no bytes).
     recall_hits/recall_total: |predicted ∩ true top-K| and K summed over tokens; weighted_* the
     true gate mass covered. skipped: true top-K experts that did not run (speculative, guarded);
-    skipped_mass: their true gate weight.
+    skipped_mass: their true gate weight. Counters computed on the device wait in ``pending`` (as
+    times wait in ``spans``) until end_step reads them all in one transfer.
     """
 
     hits: int = 0
