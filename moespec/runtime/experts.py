@@ -115,13 +115,20 @@ class TopkSum:
         """Store weighted outputs [t, H] at flat pair indices [t] (t*K + k)."""
         self.buf.view(-1, self.buf.shape[-1]).index_copy_(0, flat, weighted.to(self.buf.dtype))
 
-    def put(self, token: int, k: int, weighted: torch.Tensor) -> None:
-        """Store one pair's weighted output [1, H] (positions known on the host)."""
-        self.buf[token, k] = weighted[0]
-
     def result(self) -> torch.Tensor:
         """[T, H]: sum over K (float32 accumulation for bf16/fp16), one rounding to the hidden dtype."""
         return self.buf.sum(dim=1).to(self.out_dtype)
+
+
+def sum_one_token(weighted: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """TopkSum for one token whose K weighted outputs [1, H] are given in top-k order: [1, H] in x's dtype.
+
+    Stacks them into the same contiguous [1, K, H] and reduces it the same way (one op instead of
+    one copy per expert); an empty list (nothing ran) gives zeros.
+    """
+    if not weighted:
+        return torch.zeros_like(x)
+    return torch.stack(weighted, dim=1).sum(dim=1).to(x.dtype)  # [1, K, H] -> [1, H]
 
 
 def weighted_contribution(x: torch.Tensor, routing: Routing, expert: int, row: torch.Tensor,

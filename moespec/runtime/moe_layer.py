@@ -31,7 +31,7 @@ from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
-from moespec.runtime.experts import TopkSum, decode_contribution, gated, group_by_expert
+from moespec.runtime.experts import TopkSum, decode_contribution, gated, group_by_expert, sum_one_token
 from moespec.runtime.guard import guard_routing_device, resident_mask
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
@@ -151,20 +151,20 @@ class MoeLayerRunner:
                                   logits=routing.logits)
         self._observe(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(host_ids)}
-        acc = TopkSum(x, routing.weights)
+        weighted: list = [None] * len(host_ids)  # [1, H] per top-k position
 
         def contribute(e: int, row: torch.Tensor) -> None:
             raw, y = decode_contribution(x, routing, k_of[e], row, self.cache.store.layout, block.act_fn)
             if self.observer is not None:
                 self.observer.expert_output(layer, e, torch.zeros(1, dtype=torch.long, device=x.device), raw)
-            acc.put(0, k_of[e], y)
+            weighted[k_of[e]] = y
 
         prefetch = None
         if nxt is not None:
             pred = _Prediction(nxt, got)
             prefetch = lambda: self._prefetch_next(layer, pred)  # noqa: E731 - after l's demand copies
         self._stream(layer, sorted(k_of), stats, contribute, prefetch)
-        return acc.result()
+        return sum_one_token(weighted, x)
 
     def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None, stats: LayerStats):
         """(routing that runs [1, K], its host ids or None, DeviceGuard or None); counters stay on the device."""
