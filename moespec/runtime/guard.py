@@ -7,11 +7,13 @@ w_k >= τ fetches it (as `exact` would); w_k < τ replaces it by the best-scorin
 the layer not already chosen. Weights are then recomputed from the router softmax over what runs
 and rescaled to the original top-K mass, so the output scale is kept. τ = 0 is `exact`.
 
-:func:`guard_routing_device` is the decode path: the same decision as tensor ops on the device
-(fixed [K] shapes, the number of experts that run returned as a 0-dim tensor), so the runner reads
-it to the host together with the routing ids, in its one transfer of the layer.
-:func:`guard_routing` (host lists, one ``.item()`` per candidate) is its slow reference. They can
-differ only when two resident candidates have equal router logits (tie order).
+The decode path never reads a device value per expert. :func:`guard_signals` packs what the
+decision needs (ids, the w_k >= τ flags, the gate weights, the experts by descending logit) into
+one float64 vector that the runner reads with the rest of the layer's ids in its one transfer;
+:func:`plan_guard` decides on the host from those lists and the cache's resident set; only when
+something is substituted does :func:`substituted_routing` recompute weights on the device (a
+non-blocking copy of the new ids, no sync). :func:`guard_routing` (one ``.item()`` per candidate)
+is the slow reference; the two differ only in the order of resident candidates with equal logits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,61 @@ from dataclasses import dataclass
 import torch
 
 from moespec.models.base import Routing
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """The guard's decision for one token, on the host.
+
+    Attributes:
+        run: expert ids that run (kept true experts in top-k order, then substitutes, best logit
+            first), or None when every true expert runs (the routing is unchanged).
+        skipped: true experts that do not run; skipped_mass: their true gate weight;
+        substituted: resident experts run in their place.
+    """
+
+    run: list[int] | None
+    skipped: int
+    skipped_mass: float
+    substituted: int
+
+
+def guard_signals(routing: Routing, threshold: float) -> torch.Tensor:
+    """What the guard decides from, as one float64 vector [3K + E] on the device (no sync).
+
+    [ids (K) | w_k >= τ flags (K) | gate weights (K, float32 values) | experts by descending logit (E)];
+    float64 holds all of them exactly. ``routing``: ids/weights [1, K], logits [1, E].
+    """
+    w = routing.weights[0].float()  # [K]
+    # the flag is taken as the reference takes it: float32 w / Σw, compared in double precision
+    heavy = (w / w.sum()).double() >= threshold  # [K]
+    order = torch.argsort(routing.logits[0].float(), descending=True, stable=True)  # [E]
+    return torch.cat([routing.ids[0].double(), heavy.double(), w.double(), order.double()])
+
+
+def plan_guard(signals: list[float], k: int, resident: set[int]) -> GuardPlan:
+    """Decide on the host from ``guard_signals`` read as a list (K = ``k``) and the resident experts."""
+    ids = [int(v) for v in signals[:k]]
+    heavy, w = signals[k : 2 * k], signals[2 * k : 3 * k]
+    keep = [e for i, e in enumerate(ids) if e in resident or heavy[i]]
+    if len(keep) == k:
+        return GuardPlan(None, 0, 0.0, 0)
+    kept = set(keep)
+    skipped_mass = float(sum(w[i] for i, e in enumerate(ids) if e not in kept))
+    chosen = set(ids)
+    subs = [e for e in (int(v) for v in signals[3 * k :]) if e in resident and e not in chosen][: k - len(keep)]
+    return GuardPlan(keep + subs, k - len(keep), skipped_mass, len(subs))
+
+
+def substituted_routing(routing: Routing, run: list[int]) -> Routing:
+    """The routing that runs ``run`` (host ids): weights from the router softmax over ``run``,
+    rescaled to the true top-K mass, in the routing's weight dtype; ids/weights [1, len(run)]."""
+    device = routing.ids.device
+    run_ids = torch.tensor([run], dtype=routing.ids.dtype)  # [1, k'] host
+    run_ids = run_ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else run_ids.to(device)
+    probs = torch.softmax(routing.logits[0].float(), dim=-1)[run_ids[0]]  # [k']
+    new_w = probs / probs.sum() * routing.weights[0].float().sum()
+    return Routing(ids=run_ids, weights=new_w.to(routing.weights.dtype).unsqueeze(0), logits=routing.logits)
 
 
 @dataclass(frozen=True)
@@ -35,7 +92,7 @@ class GuardResult:
 
 
 def guard_routing(routing: Routing, resident: set[int], threshold: float) -> GuardResult:
-    """Apply the guard to a one-token routing (slow reference of :func:`guard_routing_device`).
+    """Apply the guard to a one-token routing (slow reference of guard_signals + plan_guard).
 
     Args:
         routing: true routing, ids/weights [1, K], logits [1, E] (required).
@@ -65,83 +122,3 @@ def guard_routing(routing: Routing, resident: set[int], threshold: float) -> Gua
         logits=routing.logits,
     )
     return GuardResult(new, len(ids) - len(keep), skipped_mass, len(subs))
-
-
-@dataclass(frozen=True)
-class DeviceGuard:
-    """The guard's result as device tensors (nothing read to the host).
-
-    Attributes:
-        routing: ids/weights [1, K]: kept true experts (in top-k order), then substitutes (best
-            logit first); positions from ``n_run`` on are padding (weight 0). logits as given.
-        n_run: 0-dim int64, experts that run (K less the skipped ones without a substitute).
-        skipped: 0-dim int64, true experts that do not run.
-        skipped_mass: 0-dim float64, their true gate weight.
-        substituted: 0-dim int64, resident experts run in their place.
-    """
-
-    routing: Routing
-    n_run: torch.Tensor
-    skipped: torch.Tensor
-    skipped_mass: torch.Tensor
-    substituted: torch.Tensor
-
-
-def resident_mask(resident: set[int], num_experts: int, device: torch.device) -> torch.Tensor:
-    """[E] bool on ``device``, True for the experts in ``resident``.
-
-    Built on the host and copied without blocking (from pinned memory on CUDA), so no host sync.
-    """
-    mask = torch.zeros(num_experts, dtype=torch.bool)  # [E] host
-    if resident:
-        mask[list(resident)] = True
-    if device.type == "cuda":
-        return mask.pin_memory().to(device, non_blocking=True)
-    return mask.to(device)
-
-
-def guard_routing_device(routing: Routing, resident: torch.Tensor, threshold: float) -> DeviceGuard:
-    """Apply the guard to a one-token routing with tensor ops only (no host sync).
-
-    Args:
-        routing: true routing, ids/weights [1, K], logits [1, E] (required).
-        resident: [E] bool on the routing's device (see :func:`resident_mask`).
-        threshold: τ, in renormalised gate weight.
-
-    Returns:
-        DeviceGuard; where nothing is skipped its ids and weights equal ``routing``'s bit for bit.
-    """
-    ids = routing.ids[0]  # [K]
-    k, num_experts = ids.shape[0], resident.shape[0]
-    dev = ids.device
-    w = routing.weights[0].float()  # [K]
-    w_norm = w / w.sum()
-    # float64 comparison: the reference compares Python floats (a float32 τ could round up)
-    keep = resident[ids] | (w_norm.double() >= threshold)  # [K]
-    drop = ~keep
-    logits = routing.logits[0].float()  # [E]
-    chosen = torch.zeros_like(resident).index_fill_(0, ids, True)  # [E]
-    candidate = resident & ~chosen  # [E]
-    n = min(k, num_experts)
-    cand = torch.topk(logits.masked_fill(~candidate, float("-inf")), n).indices  # [n] best logit first
-    n_keep = keep.sum()  # 0-dim
-    j = torch.arange(k, device=dev)  # [K] run position
-    sub = j - n_keep  # [K] index into cand for the positions after the kept ones
-    sub_c = sub.clamp(min=0, max=n - 1)
-    kept_first = torch.argsort(drop.to(torch.uint8), stable=True)  # [K] kept positions, in top-k order
-    is_kept = j < n_keep
-    run_ids = torch.where(is_kept, ids[kept_first], cand[sub_c])  # [K]
-    valid = is_kept | ((sub < n) & candidate[cand[sub_c]])  # [K]
-    probs = torch.softmax(logits, dim=-1)[run_ids] * valid  # [K]
-    new_w = probs / probs.sum() * w.sum()  # [K]
-    any_drop = drop.any()
-    weights = torch.where(any_drop, new_w.to(routing.weights.dtype), routing.weights[0])  # [K]
-    n_run = valid.sum()
-    skipped = drop.sum()
-    return DeviceGuard(
-        routing=Routing(ids=run_ids.unsqueeze(0), weights=weights.unsqueeze(0), logits=routing.logits),
-        n_run=n_run,
-        skipped=skipped,
-        skipped_mass=(w.double() * drop).sum(),
-        substituted=n_run - n_keep,
-    )

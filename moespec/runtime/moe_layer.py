@@ -5,8 +5,9 @@ Shapes: T tokens, H hidden, K top-k, E experts.
 Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert compute):
   1. routing of l: the true router (exact, guarded, on the device), or the prediction made at l-1
      (speculative, its ids already on the host);
-  2. the predictor turns r_l (and the routing l runs) into the routing of l+1, on the device;
-  3. ONE host read: l's expert ids (and, guarded, how many run) with l+1's predicted ids;
+  2. the predictor turns r_l (and l's true or speculated routing) into the routing of l+1;
+  3. ONE host read: l's expert ids (guarded: the guard's signals) with l+1's predicted ids;
+     guarded mode then decides on the host which experts run (guard.py);
   4. prefetch pins of l that the routing does not use are released (counted as wasted);
   5. l's experts are acquired: hits pinned, misses copied on demand (as many as slots allow);
   6. l+1's predicted experts are prefetched (after l's demand copies, which go first);
@@ -32,7 +33,7 @@ from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
 from moespec.runtime.experts import TopkSum, decode_contribution, gated, group_by_expert, sum_one_token
-from moespec.runtime.guard import guard_routing_device, resident_mask
+from moespec.runtime.guard import guard_signals, plan_guard, substituted_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
 
@@ -127,28 +128,28 @@ class MoeLayerRunner:
     def _decode(self, block, x: torch.Tensor, stats: LayerStats) -> torch.Tensor:
         layer = block.layer
         predicted = self.predicted.pop(layer, None)
-        routing, host_ids, guard = self._decode_routing(block, x, predicted, stats)
+        routing, host_ids = self._decode_routing(block, x, predicted, stats)
         residual = self.residual.pop(layer, None)
         nxt = None
-        if residual is not None:
+        if residual is not None:  # `used` is the true routing in exact/guarded, as NextLayerPredictor says
             nxt = self.predictor.predict(layer, residual.reshape(-1, residual.shape[-1]), routing)
-        # The layer's one host read: what runs here and what l+1 is predicted to need, together.
+        guarded = host_ids is None and self.execute == ExecuteMode.GUARDED
+        # The layer's one host read: what runs here and what l+1 is predicted to need, together
+        # (float64 in guarded mode, whose signals carry gate weights; int64 otherwise).
+        dtype = torch.float64 if guarded else routing.ids.dtype
         parts = []
         if host_ids is None:
-            parts.append(routing.ids.reshape(-1))
-            if guard is not None:
-                parts.append(guard.n_run.reshape(1).to(routing.ids.dtype))
+            parts.append(guard_signals(routing, self.fetch_threshold) if guarded else routing.ids.reshape(-1))
         if nxt is not None:
-            parts.append(nxt.ids.reshape(-1).to(routing.ids.dtype))
+            parts.append(nxt.ids.reshape(-1).to(dtype))
         got = torch.cat(parts).tolist() if parts else []
         if host_ids is None:
             k = routing.ids.shape[-1]
-            host_ids, got = got[:k], got[k:]
-            if guard is not None:
-                n_run, got = got[0], got[1:]
-                host_ids = host_ids[:n_run]
-                routing = Routing(ids=routing.ids[:, :n_run], weights=routing.weights[:, :n_run],
-                                  logits=routing.logits)
+            n = 3 * k + routing.logits.shape[-1] if guarded else k
+            head, got = got[:n], [int(v) for v in got[n:]]
+            host_ids = [int(v) for v in head[:k]]
+            if guarded:
+                routing, host_ids = self._guard(layer, routing, head, host_ids, stats)
         self._observe(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(host_ids)}
         weighted: list = [None] * len(host_ids)  # [1, H] per top-k position
@@ -166,8 +167,9 @@ class MoeLayerRunner:
         self._stream(layer, sorted(k_of), stats, contribute, prefetch)
         return sum_one_token(weighted, x)
 
-    def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None, stats: LayerStats):
-        """(routing that runs [1, K], its host ids or None, DeviceGuard or None); counters stay on the device."""
+    def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None,
+                        stats: LayerStats) -> tuple[Routing, list[int] | None]:
+        """(true or speculated routing [1, K], its host ids when already known); counters stay on the device."""
         rec = self.recorder
         speculate = predicted is not None and self.execute == ExecuteMode.SPECULATIVE
         true = None
@@ -178,15 +180,19 @@ class MoeLayerRunner:
         if speculate:
             if true is not None:
                 _record_skipped(rec, stats, predicted.routing, true)
-            return predicted.routing, predicted.host_ids, None
-        if self.execute == ExecuteMode.GUARDED:
-            mask = resident_mask(self.cache.resident_experts(block.layer), self.adapter.num_experts(), x.device)
-            g = guard_routing_device(true, mask, self.fetch_threshold)
-            rec.count(stats, "skipped", g.skipped)
-            rec.count(stats, "skipped_mass", g.skipped_mass)
-            rec.count(stats, "substituted", g.substituted)
-            return g.routing, None, g
-        return true, None, None
+            return predicted.routing, predicted.host_ids
+        return true, None
+
+    def _guard(self, layer: int, true: Routing, signals: list[float], ids: list[int],
+               stats: LayerStats) -> tuple[Routing, list[int]]:
+        """Guarded mode: the routing that runs and its host ids, decided from the signals already read."""
+        plan = plan_guard(signals, len(ids), self.cache.resident_experts(layer))
+        stats.skipped += plan.skipped
+        stats.skipped_mass += plan.skipped_mass
+        stats.substituted += plan.substituted
+        if plan.run is None:
+            return true, ids
+        return substituted_routing(true, plan.run), plan.run
 
     # --- cache traffic and the streamed compute ----------------------------------------------
     def _release_unused_prefetch(self, layer: int, needed: set[int], stats: LayerStats) -> list[int]:
