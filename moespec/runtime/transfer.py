@@ -80,6 +80,13 @@ class TransferEngine:
         """Drop a copy that has not started; True when it will never run (its bytes are not moved)."""
         return False
 
+    def cancel_pending(self) -> list[Ticket]:
+        """Abort: drop every queued copy that has not started and cut short the emulated link time of
+        the running one (its bytes have landed). Returns the dropped tickets, whose slots hold no
+        valid expert. An in-order CUDA copy stream cannot drop copies: returns [] (synchronize waits).
+        """
+        return []
+
     def wait(self, ticket: Ticket) -> Span:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
         raise NotImplementedError
@@ -118,6 +125,7 @@ class ThreadTransferEngine(TransferEngine):
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._hurry = threading.Event()  # set by cancel_pending: end the emulated link wait now
         self._thread = threading.Thread(target=self._run, name="moespec-h2d", daemon=True)
         self._thread.start()
 
@@ -154,7 +162,7 @@ class ThreadTransferEngine(TransferEngine):
                 # Emulated link: a copy takes at least nbytes / bandwidth.
                 rest = ticket.nbytes / (self.link_gbps * 1e9) - (time.perf_counter() - t0)
                 if rest > 0:
-                    time.sleep(rest)
+                    self._hurry.wait(rest)  # a sleep that cancel_pending can cut short
             ticket.start, ticket.end = t0, time.perf_counter()
             ticket.copy_s = ticket.end - t0
             self._busy_s += ticket.copy_s
@@ -174,6 +182,22 @@ class ThreadTransferEngine(TransferEngine):
             ticket.cancelled = True
             self.bytes_moved -= ticket.nbytes
             return True
+
+    def cancel_pending(self) -> list[Ticket]:
+        dropped = []
+        with self._cv:
+            for _, _, job in self._heap:
+                if job is None:
+                    continue
+                ticket = job[2]
+                if not ticket.started and not ticket.cancelled and not ticket.done.is_set() and ticket.slot >= 0:
+                    ticket.cancelled = True
+                    self.bytes_moved -= ticket.nbytes
+                    dropped.append(ticket)
+            self._hurry.set()
+        self.synchronize()  # the running copy (if any) and the dropped ones are done after this
+        self._hurry.clear()
+        return dropped
 
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
