@@ -12,7 +12,7 @@ the layer class (transformers/cache_utils.py):
   ``window - 1`` positions once ``window`` tokens were seen: cut positions cannot come back. Before
   that it holds all of them. With past recording on (``activate_past_recording``, transformers
   >= 5.2x) it keeps every position until the next crop, which then restricts it to the window
-  again: a cut of ``r`` positions is exact while ``r <= held - (window - 1)``.
+  again: a cut is exact while the positions it needs (the ``window - 1`` before the new end) are held.
 - any other layer class (quantised, static, linear attention, indexed): not cut here; the caller
   prefills from scratch (correct first, then fast).
 
@@ -50,8 +50,10 @@ def can_cut(layer, remove: int) -> bool:
         if seen < window:
             return True  # every position is still held
         held = int(layer.keys.shape[-2]) if getattr(layer, "keys", None) is not None else 0
-        # After the cut the layer must still hold the window - 1 positions before the new end.
-        return bool(getattr(layer, "record_past", False)) and remove <= held - (window - 1)
+        # It holds positions [seen - held, seen); after the cut it needs the window - 1 positions
+        # before the new end (all of them when the new end is inside the first window).
+        need_from = max(0, seen - remove - (window - 1))
+        return bool(getattr(layer, "record_past", False)) and seen - held <= need_from
     return False
 
 
