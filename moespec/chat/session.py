@@ -112,8 +112,8 @@ class ChatSession:
                 full = self.tokenizer.decode(new, skip_special_tokens=True)
                 if full.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for the next token
-                yield full[len(shown):]
-                shown = full
+                piece, shown = full[len(shown):], full  # shown before yielding: the caller may stop here
+                yield piece
         except BaseException:  # Ctrl-C (also GeneratorExit when the caller stops reading)
             self._record(text, new, shown, interrupted=True)
             raise
