@@ -261,8 +261,7 @@ def _recover(session, pieces) -> None:
 
 def _note_system_merged(session) -> None:
     if session.system_merged and len(session.history) == 2:  # once, after the first answer
-        err_console.print("[dim]note: the chat template has no system role; --system is prefixed to "
-                          "the first user message[/]")
+        err_console.print("[dim]note: no system role in this chat template; --system prefixes the first message[/]")
 
 
 def _print_stats(session, out) -> None:
