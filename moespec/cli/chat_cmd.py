@@ -161,7 +161,7 @@ def _one_shot(session, prompt: str, json_out: bool, out) -> None:
         return
     try:
         for piece in session.send(prompt):
-            out.print(piece, end="", soft_wrap=True)
+            out.print(piece, end="", soft_wrap=True, markup=False)  # model text is not Rich markup
     except KeyboardInterrupt:
         out.print()  # the error boundary's "interrupted" goes on its own line
         raise
@@ -183,6 +183,8 @@ def _repl(session, out) -> None:
     stays in the conversation (ChatSession). A line starting with / is a command (/help lists
     them); // sends the rest as text starting with /.
     """
+    from rich.markup import escape
+
     from moespec.errors import MoespecError
 
     err_console.print("[dim]/help lists the commands · Ctrl-C stops an answer · /exit quits[/]")
@@ -198,19 +200,25 @@ def _repl(session, out) -> None:
         line = line.strip()
         if not line:
             continue
-        if line.startswith("/") and not line.startswith("//"):
-            if _command(session, line.split()[0], out):
-                return
-            continue
         try:
+            if line.startswith("/") and not line.startswith("//"):
+                if _command(session, line.split()[0], out):
+                    return
+                continue
             _answer(session, line[1:] if line.startswith("//") else line, out)
         except MoespecError as exc:
-            err_console.print(f"[red]error:[/] {exc.message}" + (f"\n[yellow]hint:[/] {exc.hint}" if exc.hint else ""),
+            err_console.print(f"[red]error:[/] {escape(exc.message)}"
+                              + (f"\n[yellow]hint:[/] {escape(exc.hint)}" if exc.hint else ""),
                               highlight=False, soft_wrap=True)
+        except KeyboardInterrupt:  # Ctrl-C outside an answer's tokens (a footer, /stats): back to the prompt
+            session.engine.abort()
+            out.print()
 
 
 def _command(session, name: str, out) -> bool:
     """Run REPL command ``name``; True when the REPL should end."""
+    from rich.markup import escape
+
     if name in ("/exit", "/quit"):
         return True
     if name == "/reset":
@@ -224,7 +232,7 @@ def _command(session, name: str, out) -> bool:
         out.print("  //text   send text that starts with /", highlight=False)
         out.print("  Ctrl-C   stop the answer (the part shown stays in the conversation)", highlight=False)
     else:
-        err_console.print(f"[red]unknown command[/] {name}; /help lists the commands", highlight=False)
+        err_console.print(f"[red]unknown command[/] {escape(name)}; /help lists the commands", highlight=False)
     return False
 
 
@@ -232,7 +240,7 @@ def _answer(session, text: str, out) -> None:
     pieces = session.send(text)
     try:
         for piece in pieces:
-            out.print(piece, end="", soft_wrap=True)
+            out.print(piece, end="", soft_wrap=True, markup=False)  # model text is not Rich markup
     except KeyboardInterrupt:
         _recover(session, pieces)
         out.print()
