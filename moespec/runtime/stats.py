@@ -58,12 +58,16 @@ class LayerStats:
 
 @dataclass
 class StepStats:
-    """One forward pass: kind "prefill" or "decode", T tokens, wall time, per-layer stats."""
+    """One forward pass: kind "prefill" or "decode", T tokens, wall time, per-layer stats.
+
+    reused_tokens (prefill): prompt tokens before these T whose keys/values came from the KV cache.
+    """
 
     kind: str
     tokens: int
     wall_ms: float = 0.0
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    reused_tokens: int = 0
 
     def total(self) -> LayerStats:
         """Sum over layers."""
@@ -178,7 +182,7 @@ class Summary:
     """Headline numbers over a set of steps.
 
     Attributes:
-        prompt_tokens, new_tokens: counts.
+        prompt_tokens, new_tokens: counts (prompt_tokens: the prompt tokens computed, not reused).
         ttft_ms: wall time of the prefill step(s) (first token's logits ready).
         tpot_ms: mean wall time of a decode step (ms per output token).
         tokens_per_s: 1000 / tpot_ms.
@@ -188,6 +192,8 @@ class Summary:
         h2d_mb_per_token, stall_ms_per_token, compute_ms_per_token: per decode token.
         prefetch_wasted_per_token: prefetched experts never used, per decode token.
         skipped_per_token: true top-K experts not run per decode token (approximate modes).
+        reused_tokens: prompt tokens whose keys/values came from the KV cache (multi-turn chat);
+            the whole prompt is prompt_tokens + reused_tokens.
     """
 
     prompt_tokens: int
@@ -203,6 +209,7 @@ class Summary:
     compute_ms_per_token: float
     prefetch_wasted_per_token: float
     skipped_per_token: float
+    reused_tokens: int = 0
 
     def footer(self) -> str:
         """One line for the chat UI."""
@@ -234,4 +241,5 @@ def summarize(steps: list[StepStats]) -> Summary:
         compute_ms_per_token=tot.compute_ms / n,
         prefetch_wasted_per_token=tot.prefetch_wasted / n,
         skipped_per_token=tot.skipped / n,
+        reused_tokens=sum(s.reused_tokens for s in prefill),
     )
