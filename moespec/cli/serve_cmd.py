@@ -9,6 +9,7 @@ import typer
 from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
                                 FetchThreshold, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
                                 err_console, handles_errors, set_threads)
+from moespec.errors import MoespecError
 
 HELP = """Serve an MoE model through an OpenAI-compatible HTTP API.
 
@@ -38,6 +39,20 @@ From Python (pip install openai):
 
 Listening on anything but loopback requires --api-key (or MOESPEC_API_KEY).
 """
+
+
+class ServeExtraMissing(MoespecError):
+    """`moespec serve` needs packages of the `serve` extra that are not installed."""
+
+
+def _require_serve_extra() -> None:
+    """Raises ServeExtraMissing naming the missing package and the install command."""
+    import importlib.util
+
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
+        if importlib.util.find_spec(module) is None:
+            raise ServeExtraMissing(f"`moespec serve` needs {package}, which is not installed",
+                                    "pip install 'moespec[serve]'")
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +85,7 @@ def serve(
     seed: int = Seed,
     threads: Optional[int] = Threads,
 ) -> None:
+    _require_serve_extra()
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor
     from moespec.serve.app import ServeSettings
