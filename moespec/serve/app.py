@@ -4,8 +4,8 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/complet
 GET /metrics. A generation request is parsed and checked here (400/404 before it queues),
 then becomes a Job; the handler relays the worker's events as one JSON body or as
 server-sent events. A client that goes away cancels its job: a waiting job leaves the queue,
-a running one stops between tokens (Starlette cancels a stream on disconnect; a non-streamed
-request polls for it every ``POLL_S``).
+a running one stops between tokens (Starlette cancels a stream on disconnect; a watcher task
+also polls for it every ``POLL_S``, which is what a non-streamed request relies on).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from moespec.config import SamplingConfig
 from moespec.errors import MoespecError
-from moespec.serve.backend import FinishReason, GenerationRequest, ModelBackend, Outcome
+from moespec.serve.backend import FinishReason, GenerationRequest, ModelBackend
 from moespec.serve.errors import ApiError
 from moespec.serve.metrics import ServerMetrics
 from moespec.serve.queue import GenerationQueue, Job, QueueFull
@@ -49,10 +49,6 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     default_seed: int = 0
-
-
-class _ClientGone(Exception):
-    """The client disconnected while its request waited or ran."""
 
 
 class _Counted:
@@ -167,56 +163,70 @@ async def _generate(request: Request, body: SamplingFields, ids: list[int], para
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(request, job, queue, fmt, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_watch(request, job, queue))
     try:
         while True:
-            kind, payload = await _next_event(request, job)
+            kind, payload = await job.events.get()
             if kind == "done":
                 return JSONResponse(fmt.full(payload))
             if kind == "error":
                 raise payload
-    except _ClientGone:
-        queue.cancel(job)
-        return Response(status_code=499)
+            if kind == "gone":
+                return Response(status_code=499)  # nobody reads it
     except asyncio.CancelledError:
         queue.cancel(job)
         raise
+    finally:
+        watcher.cancel()
 
 
-async def _next_event(request: Request, job: Job) -> tuple[str, object]:
-    """The next event of ``job``; raises _ClientGone when the client disconnected meanwhile."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _ClientGone() from None
+async def _watch(request: Request, job: Job, queue: GenerationQueue) -> None:
+    """Cancel ``job`` when its client disconnects (checked every POLL_S; one cheap task per request).
+
+    Why a task and not a timeout on each event: the consumer then awaits its events plainly, so a
+    streamed token costs the event loop one wake-up and no timer.
+    """
+    while not job.cancelled.is_set():
+        await asyncio.sleep(POLL_S)
+        if await request.is_disconnected():
+            queue.cancel(job)
+            job.emit("gone", None)
+            return
 
 
 async def _stream(request: Request, job: Job, queue: GenerationQueue, fmt: ResponseFormat, include_usage: bool):
     finished = False
+    watcher = asyncio.create_task(_watch(request, job, queue))
     try:
         first = fmt.first()
         if first:
             yield first
         while True:
-            kind, payload = await _next_event(request, job)
-            if kind == "text":
-                yield fmt.piece(payload)
-                continue
-            if kind == "done":
-                out: Outcome = payload
-                yield fmt.last(out)
-                if include_usage:
-                    yield fmt.usage_chunk(out)
-            else:
-                err = payload if isinstance(payload, ApiError) else ApiError(500, f"generation failed: {payload}")
-                yield sse(err.body())
-            finished = True
-            yield DONE
-            return
-    except _ClientGone:
-        return
+            events = [await job.events.get()]
+            while not job.events.empty():  # a slow reader gets what piled up in one write
+                events.append(job.events.get_nowait())
+            out = []
+            for kind, payload in events:
+                if kind == "text":
+                    out.append(fmt.piece(payload))
+                    continue
+                if kind == "gone":
+                    return
+                if kind == "done":
+                    out.append(fmt.last(payload))
+                    if include_usage:
+                        out.append(fmt.usage_chunk(payload))
+                else:
+                    err = payload if isinstance(payload, ApiError) else ApiError(500, f"generation failed: {payload}")
+                    out.append(sse(err.body()))
+                finished = True
+                out.append(DONE)
+                break
+            yield "".join(out)
+            if finished:
+                return
     finally:
+        watcher.cancel()
         if not finished:
             # Why here: Starlette cancels this generator when the client disconnects mid-stream.
             queue.cancel(job)

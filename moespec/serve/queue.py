@@ -34,7 +34,8 @@ class Job:
     Attributes:
         work: runs on the worker thread with this job (emits events, returns nothing).
         loop: the asyncio loop of the request; events are delivered into ``events`` there.
-        events: (kind, payload) tuples: ("text", str), ("done", Outcome), ("error", Exception).
+        events: (kind, payload) tuples: ("text", str), ("done", Outcome), ("error", Exception),
+            ("gone", None) (the client disconnected).
         cancelled: set when the client went away; the worker stops between tokens.
         created_s: perf_counter seconds when the request arrived.
         started_s: perf_counter seconds when the worker took it (None while waiting).
