@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from moespec.config import SamplingConfig
 from moespec.errors import MoespecError
-from moespec.serve.backend import FinishReason, GenerationRequest, ModelBackend
+from moespec.serve.backend import GenerationRequest, ModelBackend
 from moespec.serve.errors import ApiError
 from moespec.serve.metrics import ServerMetrics
 from moespec.serve.queue import GenerationQueue, Job, QueueFull
@@ -86,6 +86,7 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_Counted, metrics=metrics)
     _add_error_handlers(app)
+    service = _Service(backend, queue, metrics, settings)
     started = int(time.time())
 
     @app.get("/health")
@@ -109,14 +110,14 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
         body = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(backend, body.model)
         ids = backend.chat_ids(body.rendered_messages())
-        return await _generate(request, body, ids, "messages", True, backend, queue, metrics, settings)
+        return await service.respond(request, body, ids, "messages", chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         _check_model(backend, body.model)
         ids = backend.text_ids(body.prompt)
-        return await _generate(request, body, ids, "prompt", False, backend, queue, metrics, settings)
+        return await service.respond(request, body, ids, "prompt", chat=False)
 
     return app
 
@@ -136,48 +137,63 @@ def _sampling(body: SamplingFields, settings: ServeSettings) -> SamplingConfig:
     )
 
 
-async def _generate(request: Request, body: SamplingFields, ids: list[int], param: str, chat: bool,
-                    backend: ModelBackend, queue: GenerationQueue, metrics: ServerMetrics,
-                    settings: ServeSettings) -> Response:
-    backend.check(ids, param)
-    gen = GenerationRequest(ids, _sampling(body, settings), body.stop_strings())
+@dataclass(frozen=True)
+class _Service:
+    """What a generation request needs: the model, the queue, the metrics and the settings."""
 
-    def work(job: Job) -> None:  # on the worker thread
-        out = backend.generate(job, gen)
-        job.emit("done", out)
-        metrics.observe_generation(job.created_s, job.started_s, out.first_token_s, out.prompt_tokens,
-                                   out.cached_tokens, out.completion_tokens,
-                                   out.finish_reason == FinishReason.CANCELLED, out.steps)
-        metrics.observe_cache(backend.engine.om.cache)
+    backend: ModelBackend
+    queue: GenerationQueue
+    metrics: ServerMetrics
+    settings: ServeSettings
 
-    job = Job(work=work, loop=asyncio.get_running_loop())
-    try:
-        queue.submit(job)
-    except QueueFull as full:
-        metrics.rejected.inc()
-        raise ApiError(429, f"the server is busy: {full.waiting} requests wait for the model "
-                            f"(--max-queue {settings.max_queue}); retry after {full.retry_after_s} s",
-                       code="queue_full", headers={"Retry-After": str(full.retry_after_s)}) from None
-    fmt = ResponseFormat(backend.name, chat)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(request, job, queue, fmt, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_watch(request, job, queue))
-    try:
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "done":
-                return JSONResponse(fmt.full(payload))
-            if kind == "error":
-                raise payload
-            if kind == "gone":
-                return Response(status_code=499)  # nobody reads it
-    except asyncio.CancelledError:
-        queue.cancel(job)
-        raise
-    finally:
-        watcher.cancel()
+    def _work(self, gen: GenerationRequest):
+        def work(job: Job) -> None:  # on the worker thread
+            out = self.backend.generate(job, gen)
+            job.emit("done", out)
+            self.metrics.observe_generation(job, out)
+            self.metrics.observe_cache(self.backend.engine.om.cache)
+
+        return work
+
+    async def respond(self, request: Request, body: SamplingFields, ids: list[int], param: str,
+                      chat: bool) -> Response:
+        """Queue the generation of ``ids`` and answer it (JSON, or SSE when ``body.stream``).
+
+        Raises:
+            ApiError: 400 when the prompt does not fit (``param`` names the field), 429 when the
+                queue is full (with Retry-After).
+        """
+        self.backend.check(ids, param)
+        gen = GenerationRequest(ids, _sampling(body, self.settings), body.stop_strings())
+        job = Job(work=self._work(gen), loop=asyncio.get_running_loop())
+        try:
+            self.queue.submit(job)
+        except QueueFull as full:
+            self.metrics.rejected.inc()
+            raise ApiError(429, f"the server is busy: {full.waiting} requests wait for the model "
+                                f"(--max-queue {self.settings.max_queue}); retry after {full.retry_after_s} s",
+                           code="queue_full", headers={"Retry-After": str(full.retry_after_s)}) from None
+        fmt = ResponseFormat(self.backend.name, chat)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(request, job, self.queue, fmt, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_watch(request, job, self.queue))
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "done":
+                    return JSONResponse(fmt.full(payload))
+                if kind == "error":
+                    raise payload
+                if kind == "gone":
+                    return Response(status_code=499)  # nobody reads it
+        except asyncio.CancelledError:
+            self.queue.cancel(job)
+            raise
+        finally:
+            watcher.cancel()
 
 
 async def _watch(request: Request, job: Job, queue: GenerationQueue) -> None:

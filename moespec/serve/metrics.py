@@ -14,7 +14,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from moespec.runtime.cache import ExpertCache
-from moespec.runtime.stats import LayerStats, StepStats
+from moespec.runtime.stats import LayerStats
+from moespec.serve.backend import FinishReason, Outcome
+from moespec.serve.queue import Job
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -72,20 +74,18 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def observe_generation(self, arrived_s: float, started_s: float, first_token_s: float | None,
-                           prompt_tokens: int, cached_tokens: int, completion_tokens: int, cancelled: bool,
-                           steps: tuple[StepStats, ...]) -> None:
-        """Record one finished generation (times are perf_counter seconds)."""
-        self.queue_wait.observe(started_s - arrived_s)
-        if first_token_s is not None:
-            self.ttft.observe(first_token_s - arrived_s)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
-        self.generation_tokens.inc(completion_tokens)
-        if cancelled:
+    def observe_generation(self, job: Job, out: Outcome) -> None:
+        """Record one finished generation: latency, tokens, and the recorder's per-layer steps."""
+        self.queue_wait.observe(job.started_s - job.created_s)
+        if out.first_token_s is not None:
+            self.ttft.observe(out.first_token_s - job.created_s)
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.cached_tokens.inc(out.cached_tokens)
+        self.generation_tokens.inc(out.completion_tokens)
+        if out.finish_reason == FinishReason.CANCELLED:
             self.cancelled.inc()
         per: dict[tuple[int, str], LayerStats] = {}
-        for step in steps:
+        for step in out.steps:
             if step.kind == "decode":
                 self.tpot.observe(step.wall_ms / 1e3)
             for layer, st in step.layers.items():
