@@ -107,8 +107,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "same_text"}
-    print(json.dumps({"model": args.model or "default", "tokens": args.tokens, "options": extra,
-                      "rounds": args.rounds, **med, "ratio_step": round(med["serve_step_tpot_ms"] / med["chat_tpot_ms"], 3),
+    print(json.dumps({"model": args.model or "default", "tokens": args.tokens, "options": extra, "rounds": args.rounds,
+                      **med, "ratio_step": round(med["serve_step_tpot_ms"] / med["chat_tpot_ms"], 3),
                       "ratio_client": round(med["serve_client_tpot_ms"] / med["chat_tpot_ms"], 3),
                       "same_text": all(r["same_text"] for r in rows)}))
 

@@ -106,7 +106,8 @@ def test_body_size_limit(server):
 
 
 def test_cli_refuses_reachable_host_without_key(tiny_models):
-    r = CliRunner().invoke(cli, ["serve", str(tiny_models["mixtral"]), "--host", "0.0.0.0"], env={"MOESPEC_API_KEY": ""})
+    r = CliRunner().invoke(cli, ["serve", str(tiny_models["mixtral"]), "--host", "0.0.0.0"],
+                           env={"MOESPEC_API_KEY": ""})
     assert r.exit_code == 2 and "--api-key" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["serve", "--max-queue", "-1"])
     assert r.exit_code == 2 and "--max-queue -1" in r.output
