@@ -116,9 +116,11 @@ class GenerationQueue:
         self._changed()
 
     def close(self) -> None:
-        """Stop the worker after the running job (waiting jobs are dropped)."""
+        """Stop the worker: the running job stops at its next token, waiting jobs are dropped."""
         with self._cv:
             self._closing = True
+            if self.running is not None:
+                self.running.cancelled.set()
             for job in self._waiting:
                 job.cancelled.set()
             self._waiting.clear()
