@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moespec.models.base import ExpertLayout
@@ -65,7 +66,7 @@ def test_prefetch_pin_protects_until_released_and_counts_first_use():
 def test_reference_moe_matches_cached_compute():
     """The slow reference (straight from host rows) equals the slot-based compute."""
     from moespec.models.base import Routing
-    from moespec.runtime.experts import reference_moe, weighted_contribution
+    from moespec.runtime.experts import TopkSum, reference_moe, weighted_contribution
 
     cache, engine = _cache(6)
     torch.manual_seed(0)
@@ -75,30 +76,34 @@ def test_reference_moe_matches_cached_compute():
     routing = Routing(ids=ids, weights=torch.rand(5, 2))
     act = torch.nn.functional.silu
     want = reference_moe(x, routing, cache.store.buffer[1], cache.store.layout, act)
-    out = torch.zeros_like(x)
+    acc = TopkSum(x, routing.weights)
     for e in sorted(set(ids.flatten().tolist())):
         got = cache.acquire((1, e))
         cache.wait(got.slot)
         tok, _, y = weighted_contribution(x, routing, e, cache.row(got.slot), cache.store.layout, act)
-        out.index_add_(0, tok, y)
+        kpos = (ids[tok] == e).int().argmax(dim=1)
+        acc.put_pairs(tok * 2 + kpos, y)
         cache.release(got.slot)
-    assert torch.allclose(out, want, atol=1e-6)
+    assert torch.equal(acc.result(), want)
     engine.close()
 
 
-def test_decode_fast_path_equals_general_path():
-    """decode_contribution (host-known position) == weighted_contribution (torch.where) bit for bit."""
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])
+def test_decode_fast_path_equals_general_path(dtype, wdtype):
+    """decode_contribution (host-known position) == weighted_contribution (torch.where) bit for bit,
+    including the product's dtype (bf16 output x float32 weight is float32, as in transformers)."""
     from moespec.models.base import ExpertLayout, Routing
     from moespec.runtime.experts import decode_contribution, weighted_contribution
 
     torch.manual_seed(1)
     layout = ExpertLayout(hidden=8, intermediate=4)
-    row = torch.randn(layout.numel)
-    x = torch.randn(1, 8)
-    routing = Routing(ids=torch.tensor([[3, 1, 6]]), weights=torch.rand(1, 3))
+    row = torch.randn(layout.numel).to(dtype)
+    x = torch.randn(1, 8).to(dtype)
+    routing = Routing(ids=torch.tensor([[3, 1, 6]]), weights=torch.rand(1, 3).to(wdtype))
     act = torch.nn.functional.silu
     for k, e in enumerate([3, 1, 6]):
-        fast = decode_contribution(x, routing, k, row, layout, act)
-        slow = weighted_contribution(x, routing, e, row, layout, act)
-        for a, b in zip(fast, slow):
-            assert torch.equal(a, b)
+        raw, y = decode_contribution(x, routing, k, row, layout, act)
+        _, raw_slow, y_slow = weighted_contribution(x, routing, e, row, layout, act)
+        assert torch.equal(raw, raw_slow) and torch.equal(y, y_slow)
+        assert y.dtype == torch.promote_types(dtype, wdtype)

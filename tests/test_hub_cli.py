@@ -32,6 +32,7 @@ def test_download_then_models(fake_hub, hub_cache):
     assert "6,896 (float32, 4 bytes each)" in out
     assert "12.29 kB = 2 MoE layers × 4 experts × 1.54 kB" in out
     assert "6.14 kB = 2 layers × top-2 × 1.54 kB" in out
+    assert "host RAM     536.88 MB with a GPU, 536.90 MB on CPU only" in out
     assert "next: moespec chat tiny/qwen3-moe" in out
 
     calibration_path("tiny/qwen3-moe").parent.mkdir(parents=True)
@@ -42,6 +43,9 @@ def test_download_then_models(fake_hub, hub_cache):
     ]
     assert listed[0]["has_calibration"] is True and listed[0]["has_estimator"] is False
     assert listed[0]["zero_cache_h2d_bytes_per_token"] == 6144 and listed[0]["expert_bytes"] == 1536
+    # host RAM: the experts (12288 bytes) + the runtime's 512 MiB headroom; on CPU the dense part too
+    assert listed[0]["host_ram_bytes"] == 12288 + 512 * 2**20
+    assert listed[0]["host_ram_cpu_bytes"] == listed[0]["host_ram_bytes"] + listed[0]["dense_bytes"]
     table = _run("models").output
     assert "tiny/qwen" in table and "qwen3_moe" in table and "33.49 kB" in table and "6.14 kB" in table
 

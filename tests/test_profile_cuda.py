@@ -21,6 +21,7 @@ def test_profile_on_cuda_adds_up(tiny_models, tmp_path):
     assert res.exit_code == 0, res.output
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["link"]["pinned"] and rep["hardware"]["device"].startswith("cuda")
+    assert 0 < rep["link"]["measured_gbps"] < 1e4  # timed copies (a 0-second busy time gave inf)
     eb = rep["model"]["expert_bytes"]
     for r in rep["results"]:
         t = r["totals"]
@@ -35,10 +36,12 @@ def test_profile_on_cuda_adds_up(tiny_models, tmp_path):
 
 
 def test_ticket_timestamps_on_cuda():
-    from moespec.runtime.transfer import CudaTransferEngine, Span
+    from moespec.runtime.transfer import Span
+    from moespec.runtime.transfer_cuda import CudaTransferEngine
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     eng = CudaTransferEngine(dev, num_slots=1)
+    eng.set_timing(True)  # copies carry timing events only while something records
     src = torch.randn(1 << 20).pin_memory()
     dst = torch.empty(1 << 20, device=dev)
     ref = eng.mark()
@@ -46,3 +49,8 @@ def test_ticket_timestamps_on_cuda():
     eng.synchronize()
     assert Span(ref, ticket.start).ms() >= 0 and Span(ticket.start, ticket.end).ms() > 0
     assert torch.equal(dst.cpu(), src)
+    eng.set_timing(False)
+    untimed = eng.submit(dst, src, 0)
+    eng.synchronize()
+    assert untimed.start is None and untimed.done is not None
+    eng.close()

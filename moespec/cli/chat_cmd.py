@@ -45,7 +45,7 @@ def chat(
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     predictor: str = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid."),
-    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded."),
+    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: float = FetchThreshold,
     device: str = Device,
     dtype: str = Dtype,

@@ -158,6 +158,7 @@ def _print_result(console: Console, plan, folder: Path) -> None:
             ("experts", f"{format_bytes(s.experts_bytes)} = {_plural(p.num_moe_layers, 'MoE layer')} × {p.num_experts} experts × "
                         f"{format_bytes(s.expert_bytes)}  (host memory)"),
             ("dense part", f"{format_bytes(s.dense_bytes)}  (attention, embeddings, routers, norms: on the device)"),
+            ("host RAM", f"{format_bytes(s.host_ram_bytes)} with a GPU, {format_bytes(s.host_ram_cpu_bytes)} on CPU only"),
             ("H2D / token", f"{format_bytes(s.zero_cache_h2d_bytes_per_token)} = {_plural(p.num_moe_layers, 'layer')} × "
                             f"top-{p.top_k} × {format_bytes(s.expert_bytes)}  (decode with no expert cached)"),
         ]
@@ -189,7 +190,7 @@ def models(
     table.add_column("model", overflow="fold", min_width=min(40, max(len(m.model_id) for m in found)))
     table.add_column("rev", overflow="fold")
     table.add_column("arch", no_wrap=True)
-    for col in ("size", "experts", "H2D/tok"):
+    for col in ("size", "RAM", "H2D/tok"):  # RAM: host RAM a run with a GPU needs
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("calib", no_wrap=True)
     table.add_column("estim", no_wrap=True)
@@ -201,7 +202,7 @@ def models(
             arch += f" [red]({m.status})[/]"
         table.add_row(
             m.model_id, rev, arch, format_bytes(m.disk_bytes),
-            format_bytes(s.experts_bytes) if s else "-", format_bytes(s.zero_cache_h2d_bytes_per_token) if s else "-",
+            format_bytes(s.host_ram_bytes) if s else "-", format_bytes(s.zero_cache_h2d_bytes_per_token) if s else "-",
             "yes" if m.has_calibration else "no", "yes" if m.has_estimator else "no",
         )
     console.print(table)
@@ -214,6 +215,7 @@ def _model_json(m) -> dict:
         "model_type": m.model_type, "status": m.status, "runnable": m.runnable, "disk_bytes": m.disk_bytes,
         "experts_bytes": s.experts_bytes if s else None, "dense_bytes": s.dense_bytes if s else None,
         "expert_bytes": s.expert_bytes if s else None,
+        "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
         "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
     }

@@ -72,7 +72,7 @@ def profile(
     gen: int = typer.Option(32, "--gen", help="Decode steps per run (teacher-forced)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
     warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
-    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded."),
+    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: float = FetchThreshold,
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,

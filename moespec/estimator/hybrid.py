@@ -93,7 +93,8 @@ def choose(recall: dict[str, float], cost_ms: dict[str, float], top_k: int, expe
 
 def time_per_call_ms(fn: Callable[[], object], device: torch.device, repeats: int = 50, warmup: int = 5) -> float:
     """Median wall time of ``fn()`` in ms; the device is synchronised before each clock read."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # Named device: a bare torch.cuda.synchronize() would wait on (and create a context on) cuda:0.
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []

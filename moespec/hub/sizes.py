@@ -25,6 +25,10 @@ from typing import Any, Callable, Mapping
 
 from moespec.errors import UnsupportedModelError
 
+# Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
+# refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host_memory).
+HOST_HEADROOM_BYTES = 512 * 2**20
+
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -97,6 +101,19 @@ class ModelSizes:
     @property
     def total_bytes(self) -> int:
         return self.experts_bytes + self.dense_bytes
+
+    @property
+    def host_ram_bytes(self) -> int:
+        """Host RAM a run with a GPU needs: all experts in the (pinned, exact-size) store + headroom.
+
+        The dense part goes to the GPU; the checkpoint itself is read through the page cache.
+        """
+        return self.experts_bytes + HOST_HEADROOM_BYTES
+
+    @property
+    def host_ram_cpu_bytes(self) -> int:
+        """Host RAM a CPU-only run needs: the experts and the dense part (both stay on the host) + headroom."""
+        return self.experts_bytes + self.dense_bytes + HOST_HEADROOM_BYTES
 
     @property
     def zero_cache_h2d_bytes_per_token(self) -> int:

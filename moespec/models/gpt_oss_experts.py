@@ -8,7 +8,7 @@ Differs from the SwiGLU default (layout.py) in three ways, as transformers' GptO
   - act = (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit), and both
     projections carry biases.
 The MXFP4 layout keeps the checkpoint's blocks/scales as bytes (one uint8 row, ~4x fewer bytes than
-bf16), so a copy moves the packed expert and ``forward`` dequantises on the device after the copy.
+bf16), so a copy moves the packed expert and ``forward`` dequantises on the device after the copy (mxfp4.dequantize: cached tables, straight to the compute dtype, no sync).
 """
 
 from __future__ import annotations

@@ -151,6 +151,7 @@ class _SpanKeepingRecorder(StatsRecorder):
 def measure_link(om, copies: int = 8) -> LinkMeasurement:
     """Copy ``copies`` experts into a scratch device buffer through the runtime's transfer engine."""
     eng = om.cache.engine
+    eng.set_timing(True)  # busy_seconds needs timed copies (CUDA times copies only while asked to)
     store = om.store
     scratch = torch.empty_like(om.cache.slots[0])  # [P]
     layer = store.moe_layers[0]

@@ -2,20 +2,28 @@
 
 Shapes: T tokens, H hidden, K top-k, E experts.
 
-Order inside MoE layer l (the copy of l+1 overlaps l's expert compute):
-  1. routing of l: the true router (exact, guarded), or the prediction made at l-1 (speculative);
-  2. prefetch pins of l that the routing does not use are released (counted as wasted);
-  3. l's experts are acquired: hits pinned, misses copied on demand (as many as slots allow);
-  4. the predictor turns r_l into the routing of l+1, and those experts are prefetched;
-  5. l's experts run in the order their copies land; each slot is released after use and the
+Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert compute):
+  1. routing of l: the true router (exact, guarded, on the device), or the prediction made at l-1
+     (speculative, its ids already on the host);
+  2. the predictor turns r_l (and l's true or speculated routing) into the routing of l+1;
+  3. ONE host read: l's expert ids (guarded: the guard's signals) with l+1's predicted ids;
+     guarded mode then decides on the host which experts run (guard.py);
+  4. prefetch pins of l that the routing does not use are released (counted as wasted);
+  5. l's experts are acquired: hits pinned, misses copied on demand (as many as slots allow);
+  6. l+1's predicted experts are prefetched (after l's demand copies, which go first);
+  7. l's experts run in the order their copies land; each slot is released after use and the
      freed slot takes the next missing expert (so a prefill touching every expert streams the
      whole layer through a small cache in one pass).
-Prediction and approximate modes apply to decode steps (T == 1); prefill is always exact.
+A prefill reads only the per-expert pair counts (one argsort grouping, experts.group_by_expert).
+Statistics computed on the device (recall, skipped mass) are read once per step at end_step, so
+a layer costs at most one host sync in every mode. Prediction and approximate modes apply to
+decode steps (T == 1); prefill is always exact.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +32,18 @@ from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
-from moespec.runtime.experts import decode_contribution, weighted_contribution
-from moespec.runtime.guard import guard_routing
+from moespec.runtime.experts import TopkSum, decode_contribution, gated, group_by_expert, sum_one_token
+from moespec.runtime.guard import guard_signals, plan_guard, substituted_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    """A predicted routing (ids/weights [1, K] on the device) and its ids already read to the host."""
+
+    routing: Routing
+    host_ids: list[int]
 
 
 class MoeLayerRunner:
@@ -52,7 +68,7 @@ class MoeLayerRunner:
         self.recorder = recorder
         self.expert_bytes = cache.store.expert_bytes
         self.residual: dict[int, torch.Tensor] = {}  # layer -> r_l [.., H], set by a norm pre-hook
-        self.predicted: dict[int, Routing] = {}  # target layer -> predicted routing
+        self.predicted: dict[int, _Prediction] = {}  # target layer -> predicted routing (+ host ids)
         self.prefetch_pins: dict[int, list[int]] = {}  # target layer -> slots pinned by prefetch
         self.routings: dict[int, Routing] = {}  # layer -> routing that ran (for oracle/calibration)
         self.record_routing = False
@@ -74,39 +90,111 @@ class MoeLayerRunner:
     # ------------------------------------------------------------------------------------
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""
-        layer = block.layer
-        stats = self.recorder.layer(layer)
-        decode = x.shape[0] == 1
-        predicted = self.predicted.pop(layer, None)
-        routing = self._routing(block, x, predicted, stats, decode)
-        if self.record_routing:
-            self.routings[layer] = routing
-        if self.observer is not None:
-            self.observer.routing(layer, x, self.residual.get(layer), routing)
-        out = self._compute(block, x, routing, stats, decode)
+        stats = self.recorder.layer(block.layer)
+        if x.shape[0] == 1:
+            out = self._decode(block, x, stats)
+        else:
+            out = self._prefill(block, x, stats)
         shared = self.adapter.shared_output(block, x)
         return out if shared is None else out + shared
 
-    def _routing(self, block, x: torch.Tensor, predicted: Routing | None, stats: LayerStats,
-                 decode: bool) -> Routing:
-        speculate = decode and predicted is not None and self.execute == ExecuteMode.SPECULATIVE
+    def _observe(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, routing: Routing) -> None:
+        """Hand the routing that runs to the recorder of routings and the observer (before any acquire)."""
+        if self.record_routing:
+            self.routings[layer] = routing
+        if self.observer is not None:
+            self.observer.routing(layer, x, residual, routing)
+
+    # --- prefill: always exact, experts grouped by one argsort -------------------------------
+    def _prefill(self, block, x: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+        layer = block.layer
+        self.predicted.pop(layer, None)
+        routing = self.adapter.route(block, x)
+        self._observe(layer, x, self.residual.get(layer), routing)
+        groups = group_by_expert(routing.ids, self.adapter.num_experts())  # the layer's one host read
+        acc = TopkSum(x, routing.weights)
+
+        def contribute(e: int, row: torch.Tensor) -> None:
+            tok, kpos, flat = groups.positions(e)  # [t] each
+            raw = self.cache.store.layout.forward(x[tok], row, block.act_fn)  # [t, H]
+            if self.observer is not None:
+                self.observer.expert_output(layer, e, tok, raw)
+            acc.put_pairs(flat, gated(raw, routing.weights[tok, kpos, None]))
+
+        self._stream(layer, groups.experts, stats, contribute, None)
+        return acc.result()
+
+    # --- decode: one token, every mode -------------------------------------------------------
+    def _decode(self, block, x: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+        layer = block.layer
+        predicted = self.predicted.pop(layer, None)
+        routing, host_ids = self._decode_routing(block, x, predicted, stats)
+        residual = self.residual.pop(layer, None)
+        nxt = None
+        if residual is not None:  # `used` is the true routing in exact/guarded, as NextLayerPredictor says
+            nxt = self.predictor.predict(layer, residual.reshape(-1, residual.shape[-1]), routing)
+        guarded = host_ids is None and self.execute == ExecuteMode.GUARDED
+        # The layer's one host read: what runs here and what l+1 is predicted to need, together
+        # (float64 in guarded mode, whose signals carry gate weights; int64 otherwise).
+        dtype = torch.float64 if guarded else routing.ids.dtype
+        parts = []
+        if host_ids is None:
+            parts.append(guard_signals(routing, self.fetch_threshold) if guarded else routing.ids.reshape(-1))
+        if nxt is not None:
+            parts.append(nxt.ids.reshape(-1).to(dtype))
+        got = torch.cat(parts).tolist() if parts else []
+        if host_ids is None:
+            k = routing.ids.shape[-1]
+            n = 3 * k + routing.logits.shape[-1] if guarded else k
+            head, got = got[:n], [int(v) for v in got[n:]]
+            host_ids = [int(v) for v in head[:k]]
+            if guarded:
+                routing, host_ids = self._guard(layer, routing, head, host_ids, stats)
+        self._observe(layer, x, residual, routing)
+        k_of = {e: k for k, e in enumerate(host_ids)}
+        weighted: list = [None] * len(host_ids)  # [1, H] per top-k position
+
+        def contribute(e: int, row: torch.Tensor) -> None:
+            raw, y = decode_contribution(x, routing, k_of[e], row, self.cache.store.layout, block.act_fn)
+            if self.observer is not None:
+                self.observer.expert_output(layer, e, torch.zeros(1, dtype=torch.long, device=x.device), raw)
+            weighted[k_of[e]] = y
+
+        prefetch = None
+        if nxt is not None:
+            pred = _Prediction(nxt, got)
+            prefetch = lambda: self._prefetch_next(layer, pred)  # noqa: E731 - after l's demand copies
+        self._stream(layer, sorted(k_of), stats, contribute, prefetch)
+        return sum_one_token(weighted, x)
+
+    def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None,
+                        stats: LayerStats) -> tuple[Routing, list[int] | None]:
+        """(true or speculated routing [1, K], its host ids when already known); counters stay on the device."""
+        rec = self.recorder
+        speculate = predicted is not None and self.execute == ExecuteMode.SPECULATIVE
         true = None
-        if not speculate or self.recorder.enabled:
+        if not speculate or rec.enabled:
             true = self.adapter.route(block, x)  # in speculative mode only to measure recall
-        if predicted is not None and self.recorder.enabled:
-            _record_recall(stats, predicted, true)
+        if predicted is not None and rec.enabled:
+            _record_recall(rec, stats, predicted.routing, true)
         if speculate:
             if true is not None:
-                _record_skipped(stats, predicted, true)
-            return predicted
-        if decode and self.execute == ExecuteMode.GUARDED:
-            g = guard_routing(true, self.cache.resident_experts(block.layer), self.fetch_threshold)
-            stats.skipped += g.skipped
-            stats.skipped_mass += g.skipped_mass
-            stats.substituted += g.substituted
-            return g.routing
-        return true
+                _record_skipped(rec, stats, predicted.routing, true)
+            return predicted.routing, predicted.host_ids
+        return true, None
 
+    def _guard(self, layer: int, true: Routing, signals: list[float], ids: list[int],
+               stats: LayerStats) -> tuple[Routing, list[int]]:
+        """Guarded mode: the routing that runs and its host ids, decided from the signals already read."""
+        plan = plan_guard(signals, len(ids), self.cache.resident_experts(layer))
+        stats.skipped += plan.skipped
+        stats.skipped_mass += plan.skipped_mass
+        stats.substituted += plan.substituted
+        if plan.run is None:
+            return true, ids
+        return substituted_routing(true, plan.run), plan.run
+
+    # --- cache traffic and the streamed compute ----------------------------------------------
     def _release_unused_prefetch(self, layer: int, needed: set[int], stats: LayerStats) -> list[int]:
         keep = []
         for slot in self.prefetch_pins.pop(layer, []):
@@ -124,15 +212,12 @@ class MoeLayerRunner:
             self.cache.release(slot)
         return keep
 
-    def _prefetch_next(self, layer: int, residual: torch.Tensor, routing: Routing) -> None:
-        pred = self.predictor.predict(layer, residual, routing)
-        if pred is None:
-            return
+    def _prefetch_next(self, layer: int, pred: _Prediction) -> None:
         target = self.predictor.target(layer).layer
         self.predicted[target] = pred
         tstats = self.recorder.layer(target)
         pins = []
-        for e in sorted(set(pred.ids.flatten().tolist())):
+        for e in sorted(set(pred.host_ids)):
             got = self.cache.prefetch((target, e))
             if got is None:
                 break  # no free slot: prefetch is best effort
@@ -143,13 +228,10 @@ class MoeLayerRunner:
                 tstats.h2d_bytes += self.expert_bytes
         self.prefetch_pins[target] = pins
 
-    def _compute(self, block, x: torch.Tensor, routing: Routing, stats: LayerStats,
-                 decode: bool) -> torch.Tensor:
-        layer = block.layer
+    def _stream(self, layer: int, experts: list[int], stats: LayerStats, contribute, prefetch) -> None:
+        """Acquire ``experts`` (ascending ids) of ``layer``, run ``prefetch()`` once l's demand copies are
+        queued, then ``contribute(expert, row [P])`` for each in the order their copies land."""
         cache, rec = self.cache, self.recorder
-        host_ids = routing.ids.tolist()  # [T][K] on the host: one sync per layer
-        experts = sorted({e for row in host_ids for e in row})
-        k_of = {e: k for k, e in enumerate(host_ids[0])} if len(host_ids) == 1 else None
         kept_prefetch = self._release_unused_prefetch(layer, set(experts), stats)
         # Resident experts first (no wait), then misses in id order.
         resident = cache.resident_experts(layer)
@@ -172,25 +254,15 @@ class MoeLayerRunner:
         fill()
         for slot in kept_prefetch:  # now pinned by acquire as well
             cache.release(slot)
-        if decode:
-            residual = self.residual.pop(layer, None)
-            if residual is not None:
-                self._prefetch_next(layer, residual.reshape(-1, residual.shape[-1]), routing)
-        parts = []
+        if prefetch is not None:
+            prefetch()
         while in_flight:
             e, slot = in_flight.popleft()
             rec.span(stats, "stall_ms", cache.wait(slot))
-            t0 = self.cache.engine.mark() if rec.enabled else None
-            row, layout = cache.row(slot), cache.store.layout  # [P] packed expert, computed by its layout
-            if k_of is not None:  # one token: its top-k position is known on the host
-                tok, raw, y = decode_contribution(x, routing, k_of[e], row, layout, block.act_fn)
-            else:
-                tok, raw, y = weighted_contribution(x, routing, e, row, layout, block.act_fn)
-            if self.observer is not None:
-                self.observer.expert_output(layer, e, tok, raw)
-            parts.append((e, tok, y))
+            t0 = cache.engine.mark() if rec.enabled else None
+            contribute(e, cache.row(slot))  # [P] packed expert, computed by its layout
             if rec.enabled:
-                rec.span(stats, "compute_ms", Span(t0, self.cache.engine.mark()))
+                rec.span(stats, "compute_ms", Span(t0, cache.engine.mark()))
             cache.release(slot)
             fill()
             if pending and not in_flight:
@@ -198,24 +270,20 @@ class MoeLayerRunner:
                     f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
                     "raise --cache-experts / --gpu-memory",
                 )
-        out = torch.zeros_like(x)
-        for _, tok, y in sorted(parts, key=lambda p: p[0]):  # ascending expert id, as transformers
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
 
 
-def _record_recall(stats: LayerStats, predicted: Routing, true: Routing) -> None:
-    """recall@K and weighted recall of ``predicted`` against ``true`` (ids/weights [T, K])."""
+def _record_recall(rec: StatsRecorder, stats: LayerStats, predicted: Routing, true: Routing) -> None:
+    """recall@K and weighted recall of ``predicted`` against ``true`` (ids/weights [T, K]), kept on the device."""
     hit = (predicted.ids.unsqueeze(-1) == true.ids.unsqueeze(-2)).any(dim=-2)  # [T, K] true k predicted?
     w = true.weights.float()
-    stats.recall_hits += int(hit.sum())
+    rec.count(stats, "recall_hits", hit.sum())
     stats.recall_total += hit.numel()
-    stats.weighted_hit += float((w * hit).sum())
-    stats.weighted_total += float(w.sum())
+    rec.count(stats, "weighted_hit", (w * hit).sum())
+    rec.count(stats, "weighted_total", w.sum())
 
 
-def _record_skipped(stats: LayerStats, ran: Routing, true: Routing) -> None:
-    """True top-K experts that did not run, and their true gate mass."""
+def _record_skipped(rec: StatsRecorder, stats: LayerStats, ran: Routing, true: Routing) -> None:
+    """True top-K experts that did not run, and their true gate mass (device counters)."""
     ran_hit = (true.ids.unsqueeze(-1) == ran.ids.unsqueeze(-2)).any(dim=-1)  # [T, K]
-    stats.skipped += int((~ran_hit).sum())
-    stats.skipped_mass += float((true.weights.float() * ~ran_hit).sum())
+    rec.count(stats, "skipped", (~ran_hit).sum())
+    rec.count(stats, "skipped_mass", (true.weights.float() * ~ran_hit).sum())

@@ -21,6 +21,7 @@ from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NextLayerPredictor, NoPredictor, RouterPredictor
 from moespec.runtime.cache import ExpertCache
 from moespec.runtime.checkpoint import iter_tensors, safetensors_files
+from moespec.runtime.host_memory import check_host_memory
 from moespec.runtime.moe_layer import MoeLayerRunner
 from moespec.runtime.stats import NullRecorder, StatsRecorder
 from moespec.runtime.store import ExpertStore
@@ -56,10 +57,10 @@ class OffloadedMoeBlock(nn.Module):
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu.
+    """"auto" -> cuda when available, else cpu; a CUDA device always comes back with its index.
 
     Raises:
-        DeviceError: cuda requested on a machine without CUDA.
+        DeviceError: cuda requested on a machine without CUDA, or an index beyond the devices.
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,6 +73,15 @@ def resolve_device(name: str) -> torch.device:
                           "use --device cpu (optionally with --link-gbps to emulate a PCIe link)")
     if dev.type not in ("cpu", "cuda"):
         raise DeviceError(f"--device {name} is not supported", "use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        # An explicit index from here on: every stream, event, pin and synchronize names it, so
+        # nothing touches cuda:0 when cuda:1 is asked for.
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= count:
+            raise DeviceError(f"--device {name} does not exist: this machine has {count} CUDA device(s)",
+                              f"use cuda:0 ... cuda:{count - 1}")
+        dev = torch.device("cuda", index)
     return dev
 
 
@@ -146,7 +156,8 @@ class OffloadedModel:
         return self.runner.recorder
 
     def set_recorder(self, recorder: StatsRecorder) -> None:
-        """Swap the stats recorder (NullRecorder to stop recording)."""
+        """Swap the stats recorder (NullRecorder to stop recording); wires it to the transfer engine."""
+        _wire_recorder(recorder, self.cache.engine)
         self.runner.recorder = recorder
 
     def max_context(self) -> int:
@@ -154,8 +165,28 @@ class OffloadedModel:
         return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
 
     def close(self) -> None:
-        """Stop the transfer worker."""
+        """Finish every copy, stop the transfer engine, then unpin the host store."""
         self.cache.engine.close()
+        self.store.close()
+
+
+def _wire_recorder(recorder: StatsRecorder, engine) -> None:
+    """A recording recorder synchronizes through the engine before reading clocks; the engine makes
+    timing events only while one records."""
+    if recorder.enabled:
+        recorder.synchronize = engine.synchronize
+    engine.set_timing(recorder.enabled)
+
+
+def host_bytes_needed(model: nn.Module, store_bytes: int, device: torch.device) -> int:
+    """Host RAM the loaded model holds: the expert store, plus the dense weights when they stay on the CPU.
+
+    ``model`` is the empty-weights skeleton (its expert parameters are not counted: they go to the store).
+    """
+    if device.type != "cpu":
+        return store_bytes
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
+    return store_bytes + dense
 
 
 def _moe_layers(model: nn.Module, adapter: MoeAdapter) -> list[int]:
@@ -202,11 +233,16 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     moe_layers = _moe_layers(model, adapter)
 
     layout = adapter.layout(dtype, cfg.expert_dtype)
-    store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda")
-    slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), store.expert_bytes)
+    store_bytes = ExpertStore.bytes_needed(len(moe_layers), adapter.num_experts(), layout, dtype)
+    expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
+    # Both budgets are checked before anything is allocated or pinned.
+    slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
+    check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
+    store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = make_transfer_engine(device, slots, cfg.link_gbps)
     cache = ExpertCache(store, slots, device, engine)
     recorder = recorder or NullRecorder()
+    _wire_recorder(recorder, engine)
     runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
 
     refs = []

@@ -2,13 +2,16 @@
 
 A step is one forward pass: the prefill of a prompt (T tokens) or one decode token (T = 1).
 Times are resolved from Spans only at the end of a step, after the device was synchronised,
-so recording never adds a host sync inside a layer.
+and counters computed on the device (recall hits, gate mass, skipped experts) stay device
+tensors until then, read in one transfer: recording never adds a host sync inside a layer.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from moespec.runtime.transfer import Span
 
@@ -23,7 +26,8 @@ class LayerStats:
     ran; prefetch_cancelled counts mispredicted copies dropped before they started (no bytes).
     recall_hits/recall_total: |predicted ∩ true top-K| and K summed over tokens; weighted_* the
     true gate mass covered. skipped: true top-K experts that did not run (speculative, guarded);
-    skipped_mass: their true gate weight.
+    skipped_mass: their true gate weight. Counters computed on the device wait in ``pending`` (as
+    times wait in ``spans``) until end_step reads them all in one transfer.
     """
 
     hits: int = 0
@@ -43,11 +47,12 @@ class LayerStats:
     skipped_mass: float = 0.0
     substituted: int = 0
     spans: list = field(default_factory=list, repr=False)  # (field name, Span), resolved at end_step
+    pending: list = field(default_factory=list, repr=False)  # (field name, 0-dim tensor), read at end_step
 
     def add(self, other: "LayerStats") -> None:
-        """Accumulate ``other`` into this one (spans must be resolved)."""
+        """Accumulate ``other`` into this one (spans and device counters must be resolved)."""
         for k, v in asdict(other).items():
-            if k != "spans":
+            if k not in ("spans", "pending"):
                 setattr(self, k, getattr(self, k) + v)
 
 
@@ -101,8 +106,12 @@ class StatsRecorder:
         if span is not None:
             stats.spans.append((name, span))
 
+    def count(self, stats: LayerStats, name: str, value: torch.Tensor) -> None:
+        """Add the 0-dim device tensor ``value`` to ``stats.<name>`` at end_step (no sync now)."""
+        stats.pending.append((name, value))
+
     def end_step(self) -> StepStats:
-        """Synchronise, resolve spans, store and return the finished step."""
+        """Synchronise, resolve spans and device counters, store and return the finished step."""
         self.synchronize()
         cur = self._current
         assert cur is not None, "end_step without begin_step"
@@ -111,6 +120,7 @@ class StatsRecorder:
             for name, span in s.spans:
                 setattr(s, name, getattr(s, name) + span.ms())
             s.spans = []
+        _resolve_pending(list(cur.layers.values()))
         self.steps.append(cur)
         self._current = None
         return cur
@@ -139,8 +149,28 @@ class NullRecorder(StatsRecorder):
     def span(self, stats: LayerStats, name: str, span: Span | None) -> None:
         pass
 
+    def count(self, stats: LayerStats, name: str, value: torch.Tensor) -> None:
+        pass
+
     def end_step(self) -> StepStats:
         return StepStats(kind="none", tokens=0)
+
+
+def _resolve_pending(layers: list[LayerStats]) -> None:
+    """Read every layer's pending device counters in one transfer per device, in recording order.
+
+    float64 holds the int counts and float32 sums exactly, so the values equal int()/float() reads.
+    """
+    by_device: dict[torch.device, list[tuple[LayerStats, str, torch.Tensor]]] = {}
+    for s in layers:
+        for name, value in s.pending:
+            by_device.setdefault(value.device, []).append((s, name, value))
+        s.pending = []
+    for items in by_device.values():
+        values = torch.stack([v.reshape(()).to(torch.float64) for _, _, v in items]).tolist()  # one host read
+        for (s, name, _), v in zip(items, values):
+            old = getattr(s, name)
+            setattr(s, name, old + (int(v) if isinstance(old, int) else v))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Shapes: M MoE layers, E experts, P packed elements per expert (ExpertLayout.nume
 buffer [M, E, P]: one expert is one contiguous row, so one copy moves one expert. Its element dtype
 is the layout's storage dtype (the model dtype, or uint8 for packed formats such as MXFP4). The buffer is
 pinned (page-locked) when the device is CUDA, so copies are asynchronous and run at full link
-speed; on a machine without an accelerator pin_memory raises, so it stays pageable there.
+speed: exactly its size, registered under that device (host_memory.PinnedBuffer), not through the
+caching host allocator, which would round it up to a power of two. On CPU it stays pageable.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from moespec.errors import CheckpointError
 from moespec.models.base import ExpertLayout
+from moespec.runtime.host_memory import PinnedBuffer
 
 
 class ExpertStore:
@@ -25,21 +27,42 @@ class ExpertStore:
         layout: packed layout of one expert.
         dtype: the model's compute dtype (the row dtype is ``layout.storage_dtype(dtype)``).
         pin: page-lock the buffer (only when a CUDA device is used).
+        device: the CUDA device to pin for (default: the current one); ignored without ``pin``.
+
+    Raises:
+        BudgetError: the CUDA runtime refused to page-lock the buffer.
     """
 
     def __init__(self, moe_layers: list[int], num_experts: int, layout: ExpertLayout,
-                 dtype: torch.dtype, pin: bool) -> None:
+                 dtype: torch.dtype, pin: bool = False, device: torch.device | None = None) -> None:
         self.moe_layers = list(moe_layers)
         self.position = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.num_experts = num_experts
         self.layout = layout
         self.dtype = layout.storage_dtype(dtype)
         shape = (len(self.moe_layers), num_experts, layout.numel)
-        # Pinned allocation needs a CUDA context; torch raises without one, hence the flag.
-        self.buffer = torch.empty(shape, dtype=self.dtype, pin_memory=pin)  # [M, E, P]
+        self._pinned: PinnedBuffer | None = None
+        if pin:
+            dev = device if device is not None and device.index is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+            self._pinned = PinnedBuffer(self.bytes_needed(len(self.moe_layers), num_experts, layout, dtype), dev)
+            self.buffer = self._pinned.tensor.view(self.dtype).view(shape)  # [M, E, P]
+        else:
+            self.buffer = torch.empty(shape, dtype=self.dtype)  # [M, E, P]
         self.pinned = pin
         # Which parts of which expert have been written: loading checks nothing is missing.
         self._written: set[tuple[int, int, str]] = set()
+
+    @staticmethod
+    def bytes_needed(moe_layers: int, num_experts: int, layout: ExpertLayout, dtype: torch.dtype) -> int:
+        """Host bytes of a store of ``moe_layers`` x ``num_experts`` experts (before allocating it)."""
+        itemsize = torch.empty((), dtype=layout.storage_dtype(dtype)).element_size()
+        return moe_layers * num_experts * layout.numel * itemsize
+
+    def close(self) -> None:
+        """Unpin the buffer (after every copy from it finished); it stays readable."""
+        if self._pinned is not None:
+            self._pinned.close()
 
     @property
     def expert_bytes(self) -> int:

@@ -1,9 +1,26 @@
-"""Transfer engine: the ONLY module that touches CUDA streams and events.
+"""Transfer engines: the ONLY modules that touch CUDA streams and events (this one and transfer_cuda.py).
 
-Host -> device copies of packed experts run on a separate copy stream (CUDA) or a worker thread
-(CPU), so they overlap the compute of the running layer. The compute side waits only on the
-ticket of the slot it is about to read. On CPU the worker can be throttled to an emulated link
-bandwidth (``link_gbps``), so overlap, stall and bytes are real measurements without a GPU.
+Host -> device copies of packed experts run beside the compute of the running layer; the compute
+side waits only on the copy of the slot it is about to read. Two kinds of copy exist: a demand copy
+(an expert the running layer needs now) and a prefetch copy (a predicted expert of a later layer).
+
+What happens on each device:
+
+- CPU (:class:`ThreadTransferEngine`): one worker thread copies (``Tensor.copy_``), optionally
+  throttled to an emulated link (``link_gbps``), so overlap, stall and bytes are real measurements
+  without a GPU. Its queue is a priority queue: a demand copy runs before every prefetch copy that is
+  still queued (FIFO within each kind); the copy that is running finishes first. A prefetch that has
+  not started can be cancelled (``cancel``): it never runs and its bytes are not counted.
+- CUDA (:class:`moespec.runtime.transfer_cuda.CudaTransferEngine`): a CUDA stream is FIFO and an
+  issued copy cannot be cancelled, so prefetches are held in a host-side queue and released to a
+  prefetch stream at most ``window`` (2) at a time, by a pump thread that waits on the oldest
+  released copy. Demand copies go at once to a separate demand stream, so they never queue behind
+  prefetches: they start immediately and share the link with at most the ``window`` released
+  prefetches. A prefetch still in the host queue can be cancelled for real; one that the compute
+  side waits for before its release is promoted to the demand stream. See transfer_cuda.py.
+
+On both, a copy into a slot supersedes a still-queued prefetch into the same slot, and
+``bytes_moved`` counts exactly the bytes of the copies that run.
 """
 
 from __future__ import annotations
@@ -41,7 +58,11 @@ class Ticket:
     Attributes:
         nbytes: bytes moved.
         slot: destination slot index.
-        done: set when the copy finished (CPU) / a CUDA event recorded after the copy.
+        done: set when the copy finished (CPU) / a CUDA event recorded after the copy (None while
+            a CUDA prefetch waits in the host queue).
+        started: the copy was handed to the worker / a stream (it can no longer be cancelled).
+        cancelled: dropped before it started (it never runs; its bytes are not counted).
+        prefetch: issued as a prefetch (it may be reordered behind later demand copies).
         copy_s: measured duration of the copy itself in seconds (CPU only; 0 on CUDA).
         start, end: when the copy itself ran, on the ``mark()`` clock (perf_counter seconds on CPU,
             timing events on CUDA), so ``Span(start, end)`` places it on a timeline; None until known.
@@ -56,12 +77,7 @@ class Ticket:
     cancelled: bool = False
     start: object = None
     end: object = None
-
-    def finished(self) -> bool:
-        """True once the copy has completed (never blocks)."""
-        if isinstance(self.done, threading.Event):
-            return self.done.is_set()
-        return bool(self.done.query())
+    prefetch: bool = False
 
 
 class TransferEngine:
@@ -87,6 +103,9 @@ class TransferEngine:
     def slot_released(self, slot: int) -> None:
         """Compute has issued its last read of ``slot``: later copies into it must wait for that."""
 
+    def set_timing(self, on: bool) -> None:
+        """Time copies and stalls (True while a recorder listens); off, no timing event is made (CUDA)."""
+
     def mark(self) -> object:
         """A timestamp on the compute timeline (for Span)."""
         raise NotImplementedError
@@ -99,7 +118,7 @@ class TransferEngine:
         return 0.0
 
     def close(self) -> None:
-        """Stop background work."""
+        """Finish every issued copy, then stop background work."""
 
 
 class ThreadTransferEngine(TransferEngine):
@@ -118,6 +137,7 @@ class ThreadTransferEngine(TransferEngine):
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        self._queued: dict[int, Ticket] = {}  # slot -> its prefetch still in the queue
         self._thread = threading.Thread(target=self._run, name="moespec-h2d", daemon=True)
         self._thread.start()
 
@@ -141,6 +161,8 @@ class ThreadTransferEngine(TransferEngine):
                 if job is None:
                     return
                 dst, src, ticket = job
+                if self._queued.get(ticket.slot) is ticket:
+                    del self._queued[ticket.slot]
                 if ticket.cancelled:
                     ticket.done.set()
                     continue
@@ -162,18 +184,30 @@ class ThreadTransferEngine(TransferEngine):
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
         nbytes = src.numel() * src.element_size()
-        ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event())
-        self.bytes_moved += nbytes
-        self._put(1 if prefetch else 0, (dst, src, ticket))
+        ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event(), prefetch=prefetch)
+        with self._cv:
+            # Why: a demand copy into this slot would run before a queued prefetch into it (priority),
+            # which would then overwrite it; the queued one is unwanted (its slot was taken), drop it.
+            old = self._queued.pop(slot, None)
+            if old is not None:
+                self._cancel_locked(old)
+            if prefetch:
+                self._queued[slot] = ticket
+            self.bytes_moved += nbytes
+            heapq.heappush(self._heap, (1 if prefetch else 0, next(self._seq), (dst, src, ticket)))
+            self._cv.notify()
         return ticket
+
+    def _cancel_locked(self, ticket: Ticket) -> bool:
+        if ticket.started or ticket.cancelled or ticket.done.is_set():
+            return False
+        ticket.cancelled = True
+        self.bytes_moved -= ticket.nbytes
+        return True
 
     def cancel(self, ticket: Ticket) -> bool:
         with self._cv:
-            if ticket.started or ticket.done.is_set():
-                return False
-            ticket.cancelled = True
-            self.bytes_moved -= ticket.nbytes
-            return True
+            return self._cancel_locked(ticket)
 
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
@@ -196,77 +230,17 @@ class ThreadTransferEngine(TransferEngine):
         return self._busy_s
 
     def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.synchronize()  # why: the slots may be freed right after; no copy may still write them
         self._put(3, None)
         self._thread.join(timeout=5)
 
 
-class CudaTransferEngine(TransferEngine):
-    """CUDA: a high-priority copy stream, one event per copy, and one "slot free" event per slot.
-
-    Args:
-        device: the CUDA device.
-        num_slots: number of cache slots (for the slot-free events).
-    """
-
-    def __init__(self, device: torch.device, num_slots: int) -> None:
-        self.device = device
-        self.bytes_moved = 0
-        self.stream = torch.cuda.Stream(device=device, priority=-1)
-        self._free: list[torch.cuda.Event | None] = [None] * num_slots
-        self._copy_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._busy_s = 0.0
-
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
-        # One in-order copy stream: issued copies cannot be reordered or cancelled here.
-        nbytes = src.numel() * src.element_size()
-        self.bytes_moved += nbytes
-        with torch.cuda.stream(self.stream):
-            # Why: kernels already queued on the compute stream may still read this slot's old
-            # expert; overwriting it before they ran would corrupt their result.
-            if self._free[slot] is not None:
-                self.stream.wait_event(self._free[slot])
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(self.stream)
-        self._copy_spans.append((start, done))
-        return Ticket(nbytes=nbytes, slot=slot, done=done, start=start, end=done)
-
-    def wait(self, ticket: Ticket) -> Span:
-        compute = torch.cuda.current_stream(self.device)
-        a = torch.cuda.Event(enable_timing=True)
-        a.record(compute)
-        # Why: the compute stream must not read the slot before its copy landed; waiting on this
-        # one event (not the whole copy stream) keeps later prefetches overlapping.
-        compute.wait_event(ticket.done)
-        b = torch.cuda.Event(enable_timing=True)
-        b.record(compute)
-        ticket.waited = True
-        return Span(a, b)
-
-    def slot_released(self, slot: int) -> None:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        self._free[slot] = ev
-
-    def mark(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-        for start, done in self._copy_spans:
-            self._busy_s += start.elapsed_time(done) / 1e3
-        self._copy_spans.clear()
-
-    def busy_seconds(self) -> float:
-        return self._busy_s
-
-
 def make_transfer_engine(device: torch.device, num_slots: int, link_gbps: float | None) -> TransferEngine:
-    """CUDA copy stream on a CUDA device, else the (optionally throttled) worker thread."""
+    """CUDA demand + prefetch streams on a CUDA device, else the (optionally throttled) worker thread."""
     if device.type == "cuda":
+        from moespec.runtime.transfer_cuda import CudaTransferEngine
+
         return CudaTransferEngine(device, num_slots)
     return ThreadTransferEngine(link_gbps)

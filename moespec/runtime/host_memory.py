@@ -1,0 +1,88 @@
+"""Host memory: the RAM check before anything is allocated, and exact-size pinned buffers.
+
+Why not ``torch.empty(..., pin_memory=True)``: it goes through PyTorch's caching host allocator,
+which rounds every request up to a power of two, so Qwen3-30B-A3B's 54 GiB of experts would pin
+64 GiB and an 84 GiB store 128 GiB (more than many hosts have). :class:`PinnedBuffer` instead maps
+page-aligned anonymous memory of exactly the size (rounded to whole pages) and registers it with the
+CUDA runtime (``cudaHostRegister`` through ``torch.cuda.cudart()``), under the asked device's context,
+so no context is created on cuda:0 when cuda:1 is used. Copies from it are asynchronous DMA like any
+pinned memory. ``close()`` (or garbage collection) unregisters it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+
+import torch
+
+from moespec.errors import BudgetError
+from moespec.hub.sizes import HOST_HEADROOM_BYTES as HEADROOM_BYTES  # one number, also in `moespec models`
+
+
+def available_bytes() -> int:
+    """Host RAM that can be allocated without swapping, in bytes (Linux MemAvailable; else free pages).
+
+    ``MOESPEC_HOST_RAM_BYTES`` overrides it, for hosts whose memory grows on use (a VM balloon shows a
+    small MemAvailable at start).
+    """
+    override = os.environ.get("MOESPEC_HOST_RAM_BYTES")
+    if override:
+        return int(override)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(need_bytes: int, what: str) -> None:
+    """Raise before allocating when ``need_bytes`` (+ headroom) do not fit in the available host RAM.
+
+    Raises:
+        BudgetError: one line naming both numbers.
+    """
+    have = available_bytes()
+    if need_bytes + HEADROOM_BYTES > have:
+        raise BudgetError(f"{what} needs {need_bytes / 2**30:.1f} GiB of host RAM; "
+                          f"{have / 2**30:.1f} GiB is available",
+                          "free host memory or use a machine with more RAM (`moespec models` lists the "
+                          "RAM each model needs; MOESPEC_HOST_RAM_BYTES overrides the check)")
+
+
+def _unregister(ptr: int, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class PinnedBuffer:
+    """``nbytes`` of page-locked host memory, exactly (whole pages), as a uint8 tensor ``tensor`` [nbytes].
+
+    Args:
+        nbytes: bytes to allocate.
+        device: the CUDA device whose context registers the memory.
+
+    Raises:
+        BudgetError: the CUDA runtime refused to page-lock the memory (names the size and the error).
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self._map = mmap.mmap(-1, max(nbytes, 1))  # anonymous, page-aligned, zero-filled on first touch
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)  # [nbytes]
+        ptr = self.tensor.data_ptr()
+        with torch.cuda.device(device):  # why: register under the asked device, not cuda:0
+            err = torch.cuda.cudart().cudaHostRegister(ptr, max(nbytes, 1), 0)
+        if int(err) != 0:
+            raise BudgetError(f"page-locking {nbytes / 2**30:.1f} GiB of host memory failed ({err})",
+                              "free host memory, or raise the locked-memory limit (ulimit -l)")
+        self._finalizer = weakref.finalize(self, _unregister, ptr, device)
+
+    def close(self) -> None:
+        """Unregister (the memory stays valid as ordinary pageable memory until the tensor is freed)."""
+        self._finalizer()
