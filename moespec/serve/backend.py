@@ -126,18 +126,6 @@ class ModelBackend:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
                                 f"(prompt + answer must fit)", param=param, code="context_length_exceeded")
 
-    def _keep_kv_prefix(self, ids: list[int]) -> None:
-        """Reset the engine's KV cache unless ``ids`` strictly extend the ids it holds.
-
-        Why: the Engine reuses a prefix by cropping its DynamicCache, and transformers 5.2x's crop
-        refuses a positive length; a prompt that extends the previous request (a continued
-        conversation) needs no crop. TODO(lead): drop this once the Engine cuts its cache itself
-        (i14's runtime/kv.py), so diverging prompts reuse their common prefix too.
-        """
-        cached = getattr(self.engine, "_ids", [])
-        if cached and not (len(ids) > len(cached) and ids[:len(cached)] == cached):
-            self.engine.reset()
-
     def generate(self, job: Job, req: GenerationRequest) -> Outcome:
         """Generate for ``req`` on this (worker) thread, emitting ("text", piece) events on ``job``.
 
@@ -146,7 +134,6 @@ class ModelBackend:
         """
         om = self.engine.om
         om.recorder.reset()
-        self._keep_kv_prefix(req.ids)
         decoder, stopper = IncrementalDecoder(self.tokenizer), StopMatcher(req.stops)
         parts: list[str] = []
         finish, first_s, matched = FinishReason.LENGTH, None, False
