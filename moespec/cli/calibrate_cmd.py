@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, Threads, err_console, handles_errors, set_threads)
+                                SeqLen, Threads, err_console, handles_errors, register_command, set_threads)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
 Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
@@ -27,7 +27,7 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     """Add the `calibrate` command to ``app``."""
-    app.command("calibrate", help=HELP)(calibrate)
+    register_command(app, "calibrate", HELP, calibrate)
 
 
 @handles_errors

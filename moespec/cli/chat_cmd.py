@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
-                                LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, Flag,
+                                GpuMemory, LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors,
+                                register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -33,14 +34,14 @@ In the REPL: /reset clears the history, /stats shows per-layer statistics, /exit
 
 def register(app: typer.Typer) -> None:
     """Add the `chat` command to ``app``."""
-    app.command("chat", help=HELP)(chat)
+    register_command(app, "chat", HELP, chat)
 
 
 @handles_errors
 def chat(
     model: Optional[str] = ModelArg,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Answer this once and exit."),
-    json_out: bool = typer.Option(False, "--json", help="With --prompt: print one JSON object (text + stats)."),
+    json_out: bool = Flag("--json", help="With --prompt: print one JSON object (text + stats)."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,

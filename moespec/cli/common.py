@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moespec.errors import MoespecError
 
@@ -29,15 +31,68 @@ def handles_errors(fn: F) -> F:
         except MoespecError as exc:
             if os.environ.get("MOESPEC_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+            # escape: messages hold paths and pip specs like moespec[plot], which are not markup
+            err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
             if exc.hint:
-                err_console.print(f"[yellow]hint:[/] {exc.hint}", highlight=False, soft_wrap=True)
+                err_console.print(f"[yellow]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted; nothing partial was written")
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def Flag(*decls: str, help: str) -> Any:  # noqa: N802 (reads like typer.Option)
+    """A boolean option shown as a flag in --help (``--json``, not ``--json <bool>``).
+
+    ``metavar=""`` is typer's public way to set the type column; a flag takes no value, so it is empty.
+    """
+    return typer.Option(False, *decls, help=help, metavar="")
+
+
+def _show_help(ctx: typer.Context, value: bool) -> None:
+    if value:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
+# typer's own --help shows "<bool>"; this one is the same flag without the type column.
+HelpFlag = typer.Option(False, "--help", "-h", metavar="", is_eager=True, expose_value=False, callback=_show_help,
+                        help="Show this message and exit.")
+
+
+def reflow(text: str) -> str:
+    """Join the lines of each paragraph of a help text, so Rich wraps it to the terminal's width.
+
+    typer's rich mode keeps single line breaks, so source-wrapped help broke lines twice at 80
+    columns. A paragraph's leading indent (examples) is kept.
+    """
+    paragraphs = []
+    for para in text.strip("\n").split("\n\n"):
+        lines = para.split("\n")
+        indent = lines[0][: len(lines[0]) - len(lines[0].lstrip())]
+        paragraphs.append(indent + " ".join(line.strip() for line in lines if line.strip()))
+    return "\n\n".join(paragraphs) + "\n"
+
+
+def register_command(app: typer.Typer, name: str, help: str, fn: Callable) -> None:
+    """Add ``fn`` to ``app`` as command ``name``, with a --help flag that renders like our other flags.
+
+    The callback gets one more keyword parameter (the --help flag; typer fills it with its default,
+    which is dropped here); everything else about ``fn`` is unchanged.
+    """
+
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        kwargs.pop("help_", None)
+        return fn(*args, **kwargs)
+
+    help = reflow(help)
+    sig = inspect.signature(fn)
+    extra = inspect.Parameter("help_", inspect.Parameter.KEYWORD_ONLY, default=HelpFlag, annotation=bool)
+    command.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])  # type: ignore[attr-defined]
+    app.command(name, help=help, add_help_option=False)(command)
 
 
 # Options shared by chat, calibrate, profile and train-estimator: defined once, reused.

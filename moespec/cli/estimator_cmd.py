@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, Flag, GpuMemory, HeldoutTokens, ModelArg,
+                                Seed, SeqLen, Threads, err_console, handles_errors, register_command, set_threads)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
 
@@ -28,7 +28,7 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     """Add the `train-estimator` command to ``app``."""
-    app.command("train-estimator", help=HELP)(train_estimator)
+    register_command(app, "train-estimator", HELP, train_estimator)
 
 
 @handles_errors
@@ -44,7 +44,7 @@ def train_estimator(
     input_: str = typer.Option("auto", "--input", help="Estimator input: auto (quasi with a calibration file), quasi or router."),
     down: int = typer.Option(8, "--down", help="m: bottleneck H/m (8 matched 2 and 4 on the default model at a fraction of the cost)."),
     expand: int = typer.Option(2, "--expand", help="n: MLP width n*H/m."),
-    shared: bool = typer.Option(False, "--shared/--per-layer", help="One network for all served layers, or one per layer."),
+    shared: bool = typer.Option(False, "--shared/--per-layer", metavar="", help="One network for all served layers, or one per layer."),
     epochs: int = typer.Option(8, "--epochs", help="Passes over the training states (early stopping may end sooner)."),
     batch: int = typer.Option(512, "--batch", help="Tokens per step and layer."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate (cosine schedule)."),
@@ -52,8 +52,8 @@ def train_estimator(
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="Host-to-device GB/s that saved copies are valued at; 0 ignores the estimator's cost."),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file (default: found automatically)."),
     states_dir: Optional[str] = typer.Option(None, "--states-dir", help="Where the collected states go (default: under moespec's home)."),
-    reuse_states: bool = typer.Option(False, "--reuse-states", help="Train on states collected before (and keep them)."),
-    keep_states: bool = typer.Option(False, "--keep-states", help="Keep the collected states for --reuse-states."),
+    reuse_states: bool = Flag("--reuse-states", help="Train on states collected before (and keep them)."),
+    keep_states: bool = Flag("--keep-states", help="Keep the collected states for --reuse-states."),
     out: Optional[str] = typer.Option(None, "--out", help="Estimator file to write; default: where chat looks for it."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,

@@ -7,12 +7,14 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
-                                Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, Flag, GpuMemory, LinkGbps,
+                                Seed, Threads, err_console, handles_errors, register_command, set_threads)
 
-HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
-millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
-recall@K per layer, quality against `exact`, and the on-demand / perfect-overlap bounds.
+HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
+
+TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate, recall@K per layer,
+quality against `exact`, and the on-demand / perfect-overlap bounds. At 80 columns the tables
+show the main columns (wrapped into two tables where needed); --wide prints every column.
 
 Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
 `oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
@@ -32,7 +34,7 @@ Examples:
 
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to ``app``."""
-    app.command("profile", help=HELP)(profile)
+    register_command(app, "profile", HELP, profile)
 
 
 def _strategies(text: str):
@@ -83,9 +85,9 @@ def profile(
     estimator: Optional[str] = EstimatorPath,
     data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON report here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here (needs moespec[plot])."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help=r"Write a PNG plot here (needs matplotlib: pip install 'moespec\[plot]')."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of one decode step."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
+    force: bool = Flag("--force", help="Overwrite existing output files."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Show two saved reports side by side."),
     threads: Optional[int] = Threads,
     seed: int = Seed,
