@@ -90,6 +90,9 @@ def chat(
 
 
 def _open_session(model, cfg, sampling, system, quiet: bool):
+    from moespec.cli.runtime_opts import check_predictor_files
+
+    check_predictor_files(model, cfg)  # a missing calibration/estimator file: said in < 1 s, before loading
     from transformers import AutoTokenizer
 
     from moespec.chat.session import ChatSession
@@ -165,9 +168,9 @@ def _repl(session, out) -> None:
 
 
 def _print_stats(session, out) -> None:
-    from rich.table import Table
-
+    """/stats: the last answer's decode stats per MoE layer and token, fitted to ``out``'s width."""
     from moespec.runtime.stats import LayerStats
+    from moespec.tables import Column, fit_tables
 
     steps = [s for s in session.engine.om.recorder.steps if s.kind == "decode"]
     if not steps:
@@ -178,13 +181,16 @@ def _print_stats(session, out) -> None:
         for layer, st in s.layers.items():
             per_layer.setdefault(layer, LayerStats()).add(st)
     n = len(steps)
-    table = Table(title=f"last answer: {n} decode tokens, per layer and token")
-    for col in ("layer", "hits", "misses", "prefetched", "wasted", "recall@K", "H2D MB", "stall ms", "compute ms"):
-        table.add_column(col, justify="right")
-    for layer in sorted(per_layer):
-        st = per_layer[layer]
-        rec = f"{st.recall_hits / st.recall_total:.2f}" if st.recall_total else "-"
-        table.add_row(str(layer), f"{st.hits / n:.2f}", f"{st.misses / n:.2f}", f"{st.prefetched / n:.2f}",
-                      f"{st.prefetch_wasted / n:.2f}", rec, f"{st.h2d_bytes / n / 1e6:.3f}",
-                      f"{st.stall_ms / n:.2f}", f"{st.compute_ms / n:.2f}")
-    out.print(table)
+    stats = [per_layer[layer] for layer in sorted(per_layer)]
+
+    def col(header: str, value, fmt: str = ".2f") -> Column:
+        return Column(header, [format(value(st), fmt) if value(st) is not None else "-" for st in stats])
+
+    key = [Column("layer", [str(layer) for layer in sorted(per_layer)])]
+    cols = [col("hits", lambda st: st.hits / n), col("misses", lambda st: st.misses / n),
+            col("pre-\nfetched", lambda st: st.prefetched / n), col("wasted", lambda st: st.prefetch_wasted / n),
+            col("recall\n@K", lambda st: st.recall_hits / st.recall_total if st.recall_total else None),
+            col("H2D\nMB", lambda st: st.h2d_bytes / n / 1e6, ".3f"), col("stall\nms", lambda st: st.stall_ms / n),
+            col("compute\nms", lambda st: st.compute_ms / n)]
+    for table in fit_tables(f"last answer: {n} decode tokens, per layer and token", key, cols, out.width):
+        out.print(table)

@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from moespec.cli.common import Flag, handles_errors, optional_str, register_command
 from moespec.errors import OptionError
@@ -175,7 +173,7 @@ def models(
 ) -> None:
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir
-    from moespec.hub.sizes import format_bytes
+    from moespec.paths import display_path, models_dir
 
     found = list_local_models()
     console = Console(highlight=False)
@@ -183,35 +181,52 @@ def models(
         typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
         return
     if not found:
-        console.print(f"no models in {hub_cache_dir()}")
+        console.print(f"no models in {display_path(hub_cache_dir())} or {display_path(models_dir())}")
         console.print("get one with `moespec download Qwen/Qwen3-30B-A3B` (or `moespec download --default`)")
         return
-    table = Table(title=f"models in {hub_cache_dir()}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
-    table.add_column("model", overflow="fold", min_width=min(40, max(len(m.model_id) for m in found)))
-    table.add_column("rev", overflow="fold")
-    table.add_column("arch", no_wrap=True)
-    for col in ("size", "experts", "H2D/tok"):
-        table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("calib", no_wrap=True)
-    table.add_column("estim", no_wrap=True)
-    for m in found:
-        s = m.sizes
-        rev = ",".join(m.refs) or m.commit[:8] or "-"
-        arch = m.model_type or "?"
-        if m.status != "ok":
-            arch += f" [red]({m.status})[/]"
-        table.add_row(
-            m.model_id, rev, arch, format_bytes(m.disk_bytes),
-            format_bytes(s.experts_bytes) if s else "-", format_bytes(s.zero_cache_h2d_bytes_per_token) if s else "-",
-            "yes" if m.has_calibration else "no", "yes" if m.has_estimator else "no",
-        )
-    console.print(table)
+    own = [m for m in found if m.source == "moespec"]
+    hub = [m for m in found if m.source != "moespec"]
+    # moespec's own first: the default model is what a newcomer has; each heading says where the models live
+    for title, group in ((f"moespec's models, in {display_path(models_dir())}", own),
+                         (f"Hub cache, in {display_path(hub_cache_dir())}", hub)):
+        if group:
+            for table in _models_tables(title, group, console.width):
+                console.print(table)
+    console.print("[dim]MODEL for chat, calibrate, profile: the name in the first column · "
+                  "paths: moespec models --json[/]")
+
+
+def _models_tables(title: str, group: list, width: int):
+    """The models of one place, fitted to ``width`` (wrapping columns into a second table)."""
+    from moespec.hub.sizes import format_bytes
+    from moespec.tables import Column, fit_tables
+
+    def name(m) -> str:
+        if m.source == "moespec":
+            return m.path.name  # resolve_model finds it by this name
+        rev = ",".join(m.refs) or m.commit[:8]
+        return m.model_id if rev == "main" else f"{m.model_id} @ {rev}"
+
+    def arch(m) -> str:
+        return (m.model_type or "?") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
+
+    def size(m, attr: str) -> str:
+        return format_bytes(getattr(m.sizes, attr)) if m.sizes else "-"
+
+    key = [Column("model", [name(m) for m in group], "left")]
+    cols = [Column("arch", [arch(m) for m in group], "left"),
+            Column("on disk", [format_bytes(m.disk_bytes) for m in group]),
+            Column("experts", [size(m, "experts_bytes") for m in group]),
+            Column("H2D/tok", [size(m, "zero_cache_h2d_bytes_per_token") for m in group]),
+            Column("calib", ["yes" if m.has_calibration else "no" for m in group], "left"),
+            Column("estim", ["yes" if m.has_estimator else "no" for m in group], "left")]
+    return fit_tables(title, key, cols, width)
 
 
 def _model_json(m) -> dict:
     s = m.sizes
     return {
-        "model_id": m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
+        "model_id": m.model_id, "name": m.path.name if m.source == "moespec" else m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
         "model_type": m.model_type, "status": m.status, "runnable": m.runnable, "disk_bytes": m.disk_bytes,
         "experts_bytes": s.experts_bytes if s else None, "dense_bytes": s.dense_bytes if s else None,
         "expert_bytes": s.expert_bytes if s else None,

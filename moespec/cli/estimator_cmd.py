@@ -91,6 +91,10 @@ def train_estimator(
                                 link_gbps=None, expert_dtype=expert_dtype)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
+    if calibration:  # a missing --calibration file: said before the model loads
+        from moespec.calibrate.locate import find_calibration
+
+        find_calibration(path, calibration)
     target = ensure_writable(Path(out) if out else default_estimator_path(path))
     folder = Path(states_dir).expanduser() if states_dir else _default_states_dir(path)
     plan = None

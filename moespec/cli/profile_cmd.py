@@ -32,6 +32,9 @@ Examples:
 """
 
 
+_WIDE = 400  # columns of the --wide console: more than any profile table needs
+
+
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to ``app``."""
     register_command(app, "profile", HELP, profile)
@@ -47,7 +50,7 @@ def _strategies(text: str):
         raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle")
     out = []
     for name in names:
-        s = enum_option(Predictor, name, "--strategies")
+        s = enum_option(Predictor, name, "--strategies", list(Predictor))
         if s not in out:
             out.append(s)
     return tuple(out)
@@ -89,21 +92,31 @@ def profile(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of one decode step."),
     force: bool = Flag("--force", help="Overwrite existing output files."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Show two saved reports side by side."),
+    wide: bool = Flag("--wide", help="One table per topic with every column, however wide (default: fit the "
+                                     "terminal, wrapping columns into a second table)."),
     threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
     from rich.console import Console
 
+    from moespec.cli.runtime_opts import check_predictor_files
+    from moespec.config import RuntimeConfig
     from moespec.errors import OptionError
-    from moespec.profile.report import check_writable
 
-    out_console = Console(highlight=False)
+    # --wide: a console wide enough for any table, so Rich never shrinks a column
+    out_console = Console(highlight=False, width=_WIDE if wide else None)
     if compare:
         from moespec.profile.render import render_compare
         from moespec.profile.report import load_report
 
-        render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console)
+        render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console,
+                       wide=wide)
         return
+    # a missing calibration/estimator file is refused first, before torch loads (under a second)
+    check_predictor_files(model, RuntimeConfig(calibration_path=calibration, estimator_path=estimator),
+                          _strategies(strategies))
+    from moespec.profile.report import check_writable
+
     for path, flag in ((out, "--out"), (plot, "--plot"), (trace, "--trace")):
         check_writable(path, force, flag)
     if plot is not None:
@@ -112,14 +125,13 @@ def profile(
         require_matplotlib()
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
-    set_threads(threads)
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None)
+                             trace is not None, threads)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
-    render_report(report, out_console)
+    render_report(report, out_console, wide=wide)
     if out is not None:
         write_json(out, report, force=True)
         err_console.print(f"[dim]report written to {out}[/]")
@@ -136,18 +148,12 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
-    """Load the model, run the profile; returns (report dict, timelines)."""
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads):
+    """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
-
-    import torch
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor
-    from moespec.profile.report import build_report, describe
-    from moespec.profile.run import ProfileConfig, run_profile
-    from moespec.profile.trace import check_lengths
-    from moespec.runtime.offload import load_offloaded, make_predictor
 
     chosen = _strategies(strategies)
     check_estimator_use(estimator, list(chosen))
@@ -159,6 +165,14 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+    set_threads(threads)
+    import torch
+
+    from moespec.profile.report import build_report, describe
+    from moespec.profile.run import ProfileConfig, run_profile
+    from moespec.profile.trace import check_lengths
+    from moespec.runtime.offload import load_offloaded, make_predictor
+
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
