@@ -121,6 +121,14 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
             f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.2f} MB "
             f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}[/]")
+        total = len(om.store.moe_layers) * om.store.num_experts
+        if om.cache.num_slots >= total:
+            from moespec.runtime.offload import min_slots
+
+            # Said once: with every expert resident the stats show no offloading, and the user should know why.
+            some = max(min_slots(om.adapter.top_k(), cfg.predictor), total // 4)
+            err_console.print(f"[dim]all {total} experts fit the cache, none is offloaded; "
+                              f"--cache-experts {some} offloads[/]")
     return ChatSession(Engine(om), tokenizer, sampling, system)
 
 
