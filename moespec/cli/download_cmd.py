@@ -104,7 +104,7 @@ def _build_default(console: Console) -> None:
         raise OptionError("this moespec build has no embedded default model yet", "download a model by Hub id") from exc
     path = ensure_default_model(console)
     if path is not None:
-        console.print(f"default model ready at {path}")
+        console.print(f"default model ready at {path}; its MODEL name: {Path(path).name}")
 
 
 def _print_plan(console: Console, plan) -> None:
