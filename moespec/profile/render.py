@@ -17,10 +17,6 @@ def _f(value, fmt: str = ".2f", dash: str = "-") -> str:
     return dash if value is None else format(value, fmt)
 
 
-def _pm(ms: dict) -> str:
-    return f"{ms['mean']:.2f} ± {ms['std']:.2f}"
-
-
 def _name(res: dict) -> str:
     return res["strategy"] + (" (bound)" if res["upper_bound"] else "")
 
