@@ -43,7 +43,7 @@ def test_download_then_models(fake_hub, hub_cache):
     assert listed[0]["has_calibration"] is True and listed[0]["has_estimator"] is False
     assert listed[0]["zero_cache_h2d_bytes_per_token"] == 6144 and listed[0]["expert_bytes"] == 1536
     table = _run("models").output
-    assert "tiny/qwen" in table and "qwen3_moe" in table and "33.49 kB" in table and "6.14 kB" in table
+    assert "tiny/qwen" in table and "qwen3_moe" in table and "33.5 kB" in table and "6.14 kB" in table
 
 
 def test_second_download_fetches_nothing(fake_hub, hub_cache):

@@ -192,13 +192,13 @@ def models(
         if group:
             for table in _models_tables(title, group, console.width):
                 console.print(table)
-    console.print("[dim]MODEL for chat, calibrate, profile: the name in the first column · "
-                  "paths: moespec models --json[/]")
+    console.print("[dim]MODEL (chat, calibrate, profile): the first column · calib/estim: "
+                  "calibration and estimator files · paths: moespec models --json[/]")
 
 
 def _models_tables(title: str, group: list, width: int):
     """The models of one place, fitted to ``width`` (wrapping columns into a second table)."""
-    from moespec.hub.sizes import format_bytes
+    from moespec.hub.sizes import format_bytes_short as size3
     from moespec.tables import Column, fit_tables
 
     def name(m) -> str:
@@ -211,15 +211,17 @@ def _models_tables(title: str, group: list, width: int):
         return (m.model_type or "?") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
 
     def size(m, attr: str) -> str:
-        return format_bytes(getattr(m.sizes, attr)) if m.sizes else "-"
+        return size3(getattr(m.sizes, attr)) if m.sizes else "-"
+
+    def files(m) -> str:
+        return f"{'yes' if m.has_calibration else 'no'}/{'yes' if m.has_estimator else 'no'}"
 
     key = [Column("model", [name(m) for m in group], "left")]
     cols = [Column("arch", [arch(m) for m in group], "left"),
-            Column("on disk", [format_bytes(m.disk_bytes) for m in group]),
+            Column("on disk", [size3(m.disk_bytes) for m in group]),
             Column("experts", [size(m, "experts_bytes") for m in group]),
             Column("H2D/tok", [size(m, "zero_cache_h2d_bytes_per_token") for m in group]),
-            Column("calib", ["yes" if m.has_calibration else "no" for m in group], "left"),
-            Column("estim", ["yes" if m.has_estimator else "no" for m in group], "left")]
+            Column("calib/\nestim", [files(m) for m in group], "left")]
     return fit_tables(title, key, cols, width)
 
 
