@@ -110,3 +110,19 @@ def test_the_default_calibration_has_no_note_on_the_shipped_data(tiny_models, tm
                "--device", "cpu")
     assert res.exit_code == 0, res.output
     assert "note:" not in res.output and "fewer than" not in res.output
+
+
+@pytest.mark.parametrize("cores,expected", [(1, 1), (2, 1), (16, 15)])
+def test_default_threads_leave_a_core_to_the_copy_worker(monkeypatch, cores, expected):
+    from moespec.cli import common
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert common.default_threads() == expected
+
+
+def test_omp_num_threads_wins_over_the_default(monkeypatch):
+    from moespec.cli import common
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert common.default_threads() is None

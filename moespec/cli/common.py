@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from typing import Any, Callable, Optional, TypeVar
 
 import typer
@@ -113,19 +114,44 @@ SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass
 EstimatorPath = typer.Option(None, "--estimator",
                              help="Estimator file for --predictor estimator / hybrid (default: the one "
                                   "`moespec train-estimator` wrote for MODEL).")
-Threads = typer.Option(None, "--threads",
-                       help="CPU threads for torch (default: torch's choice; 1 is faster when other work "
-                            "shares the cores).")
+Threads = typer.Option(None, "--threads", show_default=False,
+                       help="CPU threads for torch. Default: one fewer than the cores this process may use, at "
+                            "least 1 (1 on 2 cores: chat TPOT on the default model, idle 2-core machine, 86 ms "
+                            "vs 152-156 ms with torch's 2 threads, which compete with the copy worker); "
+                            "OMP_NUM_THREADS, when set, wins.")
+
+
+def default_threads() -> int | None:
+    """torch's intra-op threads when --threads is not given; None keeps torch's choice.
+
+    One fewer than the cores this process may use (at least 1): the expert copy worker thread needs a
+    core, and with torch on every core the two fight (measured on the default model, see --threads'
+    help). ``OMP_NUM_THREADS``, when set, is the user's choice and torch already follows it.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def set_threads(threads: Optional[int]) -> None:
-    """Apply ``--threads`` to torch (None keeps torch's choice).
+    """Apply ``--threads`` to torch (None: ``default_threads()``).
 
     Raises:
         OptionError: fewer than 1 thread.
     """
     if threads is None:
-        return
+        threads = default_threads()
+        if threads is None:
+            return
+        if "torch" not in sys.modules:
+            # torch reads this when it starts: the default costs no torch import here, so a command
+            # can still refuse bad input (a missing calibration file) before torch loads
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            return
     if threads < 1:
         from moespec.errors import OptionError
 
