@@ -46,6 +46,21 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def format_binary(n: int, round_up: bool = False) -> str:
+    """``n`` bytes in binary units as a user writes them for --gpu-memory: ``4.22MiB``, ``8GiB``.
+
+    Two decimals; ``round_up`` rounds the last one up, so ``parse_bytes`` of the text is >= ``n``
+    (for hints naming a budget that is enough).
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            value = n / size
+            if round_up:
+                value = math.ceil(value * 100 - 1e-9) / 100
+            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
+    return f"{n}B"
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Everything the offloading runtime needs to know, passed explicitly.
@@ -80,8 +95,8 @@ class RuntimeConfig:
     expert_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cache_experts is not None and self.cache_experts < 1:
-            raise OptionError(f"--cache-experts {self.cache_experts} must be at least 1")
+        # --cache-experts below the minimum (0 included) is refused when the model is known, with the
+        # real minimum in experts and bytes (moespec.runtime.offload.num_slots): one message for every value.
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

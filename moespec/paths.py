@@ -12,6 +12,19 @@ def moespec_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "moespec"
 
 
+# The embedded default model's folder name in models_dir(), the name MODEL accepts. It equals
+# moespec.default_model.DEFAULT_MODEL_NAME (a test checks); kept here too because that package imports torch.
+DEFAULT_MODEL_FOLDER = "smollm2-135m-moe-e16k4"
+
+
 def models_dir() -> Path:
     """Folder of models that moespec built itself (the embedded default model)."""
     return moespec_home() / "models"
+
+
+def display_path(path: str | os.PathLike) -> str:
+    """``path`` as a user reads it: the home folder written ``~`` (``~/.cache/moespec/models``)."""
+    text, home = os.fspath(path), str(Path.home())
+    if text == home or text.startswith(home + os.sep):
+        return "~" + text[len(home):]
+    return text

@@ -47,7 +47,7 @@ def test_download_then_models(fake_hub, hub_cache):
     assert listed[0]["host_ram_bytes"] == 12288 + 512 * 2**20
     assert listed[0]["host_ram_cpu_bytes"] == listed[0]["host_ram_bytes"] + listed[0]["dense_bytes"]
     table = _run("models").output
-    assert "tiny/qwen" in table and "qwen3_moe" in table and "33.49 kB" in table and "6.14 kB" in table
+    assert "tiny/qwen" in table and "qwen3_moe" in table and "33.5 kB" in table and "6.14 kB" in table
 
 
 def test_second_download_fetches_nothing(fake_hub, hub_cache):

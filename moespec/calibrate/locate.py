@@ -1,9 +1,11 @@
 """Where a model's calibration file lives, so `calibrate` writes it where chat/profile look.
 
 The default place is ``moespec.hub.artifacts.calibration_path(model_id)`` (under moespec's home),
-keyed by the Hub id for a Hub cache snapshot and by the absolute folder path otherwise, the same
-keys ``moespec models`` uses. A file next to the model (``moespec-calibration.safetensors``) is
-also found, for folders carried between machines.
+keyed by the Hub id for a Hub cache snapshot, by the folder name for a model moespec built (e.g.
+``smollm2-135m-moe-e16k4``, the name MODEL accepts), and by the absolute folder path otherwise, the
+same keys ``moespec models`` uses. Files written under the absolute-path key by earlier versions are
+still found, and so is a file next to the model (``moespec-calibration.safetensors``), for folders
+carried between machines. Nothing here imports torch: the CLI checks these files before loading.
 """
 
 from __future__ import annotations
@@ -12,27 +14,43 @@ import os
 from pathlib import Path
 
 from moespec.errors import CalibrationError
+from moespec.paths import display_path, models_dir
 
 BESIDE_MODEL = "moespec-calibration.safetensors"
 
 
 def model_key(model_path: str | Path) -> str:
-    """The id a model folder is known by: ``org/name`` for a Hub cache snapshot, else its absolute path."""
+    """The id a model folder is known by: ``org/name`` for a Hub cache snapshot, the folder name for a
+    model moespec built (in ``moespec.paths.models_dir()``), else its absolute path."""
     path = Path(os.path.abspath(Path(model_path).expanduser()))
     parts = path.parts
     for i in range(len(parts) - 2):
         if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
             return parts[i][len("models--"):].replace("--", "/")
+    if path.parent == Path(os.path.abspath(models_dir())):
+        return path.name
     return str(path)
+
+
+def legacy_model_key(model_path: str | Path) -> str:
+    """The key earlier versions used for a model moespec built: its absolute path."""
+    return os.path.abspath(Path(model_path).expanduser())
 
 
 def default_calibration_path(model_path: str | Path) -> Path:
     """Where `moespec calibrate` writes without --out, and where the runtime looks first."""
-    try:
-        from moespec.hub.artifacts import calibration_path
-    except ModuleNotFoundError:  # no artifacts module in this build: keep it next to the model
-        return Path(model_path) / BESIDE_MODEL
+    from moespec.hub.artifacts import calibration_path
+
     return calibration_path(model_key(model_path))
+
+
+def calibration_candidates(model_path: str | Path) -> list[Path]:
+    """Where a calibration file for the model is looked for, in order (the first is the default)."""
+    from moespec.hub.artifacts import calibration_path
+
+    paths = [default_calibration_path(model_path), calibration_path(legacy_model_key(model_path)),
+             Path(model_path) / BESIDE_MODEL]
+    return list(dict.fromkeys(paths))
 
 
 def find_calibration(model_path: str | Path, explicit: str | Path | None = None) -> Path:
@@ -44,17 +62,18 @@ def find_calibration(model_path: str | Path, explicit: str | Path | None = None)
     Raises:
         CalibrationError: no file found (the message names `moespec calibrate MODEL`).
     """
+    key = model_key(model_path)
     if explicit is not None:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise CalibrationError(f"calibration file {path} does not exist",
-                                   f"run `moespec calibrate {model_key(model_path)} --out {path}`, or drop --calibration")
+            raise CalibrationError(f"calibration file {display_path(path)} does not exist",
+                                   f"run `moespec calibrate {key} --out {display_path(path)}`, or drop --calibration")
         return path
-    candidates = [default_calibration_path(model_path), Path(model_path) / BESIDE_MODEL]
+    candidates = calibration_candidates(model_path)
     for path in candidates:
         if path.is_file():
             return path
     raise CalibrationError(
-        f"--predictor quasi needs a calibration file for {model_key(model_path)}; none at {candidates[0]}",
-        f"run `moespec calibrate {model_key(model_path)}` first, or use --predictor router",
+        f"--predictor quasi needs a calibration file for {key}; none at {display_path(candidates[0])}",
+        f"run `moespec calibrate {key}` first, or use --predictor router",
     )

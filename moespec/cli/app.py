@@ -10,6 +10,8 @@ import importlib
 
 import typer
 
+from moespec.cli.common import HelpFlag
+
 app = typer.Typer(
     name="moespec",
     help="Run Mixture-of-Experts models with experts offloaded to host memory and prefetched ahead.",
@@ -17,7 +19,25 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    add_help_option=False,  # HelpFlag below: the same --help without typer's "<bool>" type column
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from moespec import __version__
+
+        typer.echo(f"moespec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", metavar="", is_eager=True, callback=_print_version,
+                                 help="Print moespec's version and exit."),
+    help_: bool = HelpFlag,
+) -> None:
+    """Run Mixture-of-Experts models with experts offloaded to host memory and prefetched ahead."""
 
 for _name in ("chat_cmd", "download_cmd", "calibrate_cmd", "profile_cmd", "estimator_cmd", "serve_cmd"):
     # Commands land one issue at a time; a module that is not there yet is simply not registered.

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, Threads, err_console, handles_errors, set_threads)
+                                SeqLen, Threads, err_console, handles_errors, register_command, set_threads)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
 Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
@@ -25,16 +25,20 @@ Examples:
 """
 
 
+DEFAULT_TOKENS = 100_000  # more than the shipped text holds (about 60k tokens): by default all of it is used
+
+
 def register(app: typer.Typer) -> None:
     """Add the `calibrate` command to ``app``."""
-    app.command("calibrate", help=HELP)(calibrate)
+    register_command(app, "calibrate", HELP, calibrate)
 
 
 @handles_errors
 def calibrate(
     model: Optional[str] = ModelArg,
     data: Optional[str] = Data,
-    tokens: int = typer.Option(100_000, "--tokens", help="Calibration tokens (all the data holds, if fewer)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", show_default=False,
+                                         help="Calibration tokens (default: 100,000, or all the data holds if fewer)."),
     heldout_tokens: Optional[int] = HeldoutTokens,
     seq_len: int = SeqLen,
     out: Optional[str] = typer.Option(None, "--out", help="Calibration file to write; default: where chat looks for it."),
@@ -60,6 +64,8 @@ def calibrate(
     from moespec.runtime.offload import load_offloaded
 
     set_threads(threads)
+    asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
     cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
     rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,
@@ -75,7 +81,7 @@ def calibrate(
         raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
                               "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
-    for note in plan.notes:
+    for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
     om = load_offloaded(path, rcfg)
     try:
@@ -120,8 +126,9 @@ def _run_with_progress(om, plan, cfg, source):
 
     from moespec.calibrate.run import calibrate
 
-    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+    # narrow bar, short texts: the whole line fits 80 columns (nothing cut by an ellipsis)
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), TaskProgressColumn(),
+               TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
     with Progress(*columns, console=err_console, transient=False) as bar:
         tasks = {"calibrate": bar.add_task("calibrating", total=plan.calib_tokens, rate=""),
@@ -140,30 +147,35 @@ def _run_with_progress(om, plan, cfg, source):
 
 def _render(result, plan, elapsed: float, target) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from moespec.calibrate.file import finite_mean
+
+    from moespec.tables import Column, fit_tables
 
     out = Console(highlight=False)
     calib = result.calibration
     e = calib.frequencies.shape[1]
-    table = Table(title=f"{calib.meta['tokens']:,} calibration tokens · recall on {plan.heldout_tokens:,} held-out tokens",
-                  caption=f"entropy: of the expert frequencies, in bits (max {math.log2(e):.1f}); recall@K, weighted "
-                          "recall and cosine to the true router input, predicting each layer from the one before")
-    for col in ("layer", "entropy", "unrouted", "recall\nrouter", "recall\nquasi", "w-recall\nrouter",
-                "w-recall\nquasi", "cos\nrouter", "cos\nquasi"):
-        table.add_column(col, justify="right")
     freq = calib.frequencies.double()
-    for m, layer in enumerate(calib.layers):
+    entropies = []
+    for m in range(len(calib.layers)):
         p = freq[m] / freq[m].sum().clamp(min=1)
-        entropy = float(-(p[p > 0] * p[p > 0].log2()).sum())
-        row = [str(layer), f"{entropy:.2f}", str(int(calib.unrouted[m]))]
-        for metric, pred in (("recall", "router"), ("recall", "quasi"), ("weighted_recall", "router"),
-                             ("weighted_recall", "quasi"), ("cosine", "router"), ("cosine", "quasi")):
-            v = float(calib.metric(metric, pred)[m])
-            row.append("-" if math.isnan(v) else f"{v:.3f}")
-        table.add_row(*row)
-    out.print(table)
+        entropies.append(f"{float(-(p[p > 0] * p[p > 0].log2()).sum()):.2f}")
+
+    def metric(name: str, pred: str) -> list[str]:
+        values = [float(v) for v in calib.metric(name, pred)]
+        return ["-" if math.isnan(v) else f"{v:.3f}" for v in values]
+
+    key = [Column("layer", [str(layer) for layer in calib.layers])]
+    cols = [Column("entropy", entropies), Column("unrouted", [str(int(u)) for u in calib.unrouted]),
+            Column("recall\nrouter", metric("recall", "router")), Column("recall\nquasi", metric("recall", "quasi")),
+            Column("w-recall\nrouter", metric("weighted_recall", "router")),
+            Column("w-recall\nquasi", metric("weighted_recall", "quasi")),
+            Column("cos\nrouter", metric("cosine", "router")), Column("cos\nquasi", metric("cosine", "quasi"))]
+    title = f"{calib.meta['tokens']:,} calibration tokens · recall on {plan.heldout_tokens:,} held-out tokens"
+    for table in fit_tables(title, key, cols, out.width):
+        out.print(table)
+    out.print(f"[dim]entropy: of the expert frequencies, in bits (max {math.log2(e):.1f}); recall@K, weighted "
+              "recall and cosine to the true router input, predicting each layer from the one before[/]")
     r_router, r_quasi = finite_mean(calib.metric("recall", "router")), finite_mean(calib.metric("recall", "quasi"))
     alt = {v: finite_mean(calib.metric("recall", f"quasi_{v}")) for v in calib.default_vectors}
     alts = ", ".join(f"{k} {v:.3f}" for k, v in alt.items())

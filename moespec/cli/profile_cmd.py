@@ -7,12 +7,14 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
-                                Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, Flag, GpuMemory, LinkGbps,
+                                Seed, Threads, err_console, handles_errors, register_command, set_threads)
 
-HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
-millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
-recall@K per layer, quality against `exact`, and the on-demand / perfect-overlap bounds.
+HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
+
+TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate, recall@K per layer,
+quality against `exact`, and the on-demand / perfect-overlap bounds. At 80 columns the tables
+show the main columns (wrapped into two tables where needed); --wide prints every column.
 
 Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
 `oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
@@ -30,9 +32,12 @@ Examples:
 """
 
 
+_WIDE = 400  # columns of the --wide console: more than any profile table needs
+
+
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to ``app``."""
-    app.command("profile", help=HELP)(profile)
+    register_command(app, "profile", HELP, profile)
 
 
 def _strategies(text: str):
@@ -45,7 +50,7 @@ def _strategies(text: str):
         raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle")
     out = []
     for name in names:
-        s = enum_option(Predictor, name, "--strategies")
+        s = enum_option(Predictor, name, "--strategies", list(Predictor))
         if s not in out:
             out.append(s)
     return tuple(out)
@@ -83,25 +88,35 @@ def profile(
     estimator: Optional[str] = EstimatorPath,
     data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the JSON report here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot here (needs moespec[plot])."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help=r"Write a PNG plot here (needs matplotlib: pip install 'moespec\[plot]')."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of one decode step."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
+    force: bool = Flag("--force", help="Overwrite existing output files."),
     compare: Optional[Tuple[Path, Path]] = typer.Option(None, "--compare", help="Show two saved reports side by side."),
+    wide: bool = Flag("--wide", help="One table per topic with every column, however wide (default: fit the "
+                                     "terminal, wrapping columns into a second table)."),
     threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
     from rich.console import Console
 
+    from moespec.cli.runtime_opts import check_predictor_files
+    from moespec.config import RuntimeConfig
     from moespec.errors import OptionError
-    from moespec.profile.report import check_writable
 
-    out_console = Console(highlight=False)
+    # --wide: a console wide enough for any table, so Rich never shrinks a column
+    out_console = Console(highlight=False, width=_WIDE if wide else None)
     if compare:
         from moespec.profile.render import render_compare
         from moespec.profile.report import load_report
 
-        render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console)
+        render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console,
+                       wide=wide)
         return
+    # a missing calibration/estimator file is refused first, before torch loads (under a second)
+    check_predictor_files(model, RuntimeConfig(calibration_path=calibration, estimator_path=estimator),
+                          _strategies(strategies))
+    from moespec.profile.report import check_writable
+
     for path, flag in ((out, "--out"), (plot, "--plot"), (trace, "--trace")):
         check_writable(path, force, flag)
     if plot is not None:
@@ -110,14 +125,13 @@ def profile(
         require_matplotlib()
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
-    set_threads(threads)
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None)
+                             trace is not None, threads)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
-    render_report(report, out_console)
+    render_report(report, out_console, wide=wide)
     if out is not None:
         write_json(out, report, force=True)
         err_console.print(f"[dim]report written to {out}[/]")
@@ -134,18 +148,12 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
-    """Load the model, run the profile; returns (report dict, timelines)."""
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads):
+    """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
-
-    import torch
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
     from moespec.config import ExecuteMode, Predictor
-    from moespec.profile.report import build_report, describe
-    from moespec.profile.run import ProfileConfig, run_profile
-    from moespec.profile.trace import check_lengths
-    from moespec.runtime.offload import load_offloaded, make_predictor
 
     chosen = _strategies(strategies)
     check_estimator_use(estimator, list(chosen))
@@ -157,6 +165,14 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+    set_threads(threads)
+    import torch
+
+    from moespec.profile.report import build_report, describe
+    from moespec.profile.run import ProfileConfig, run_profile
+    from moespec.profile.trace import check_lengths
+    from moespec.runtime.offload import load_offloaded, make_predictor
+
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional, TypeVar
+from pathlib import Path
+from typing import Optional, Sequence, TypeVar
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, parse_bytes
 from moespec.errors import OptionError
@@ -11,17 +12,26 @@ from moespec.errors import OptionError
 E = TypeVar("E", bound=enum.Enum)
 
 
-def enum_option(kind: type[E], value: str, flag: str) -> E:
-    """Parse ``value`` into the Enum ``kind``.
+def enum_option(kind: type[E], value: str, flag: str, choices: Optional[Sequence[E]] = None) -> E:
+    """Parse ``value`` into the Enum ``kind``, accepting only ``choices``.
+
+    ``choices`` defaults to every member, except for Predictor, where it leaves out ``oracle``: only
+    `moespec profile` runs the oracle, and it passes every member.
 
     Raises:
-        OptionError: names the value, the flag and the valid choices.
+        OptionError: names the value, the flag and the choices this command accepts.
     """
+    if choices is None:
+        choices = [m for m in kind if m is not Predictor.ORACLE]
     try:
-        return kind(value)
+        member = kind(value)
     except ValueError:
-        choices = ", ".join(m.value for m in kind)
-        raise OptionError(f"{flag} {value!r} is not valid", f"choose one of: {choices}") from None
+        member = None
+    if member is None or member not in choices:
+        names = ", ".join(m.value for m in choices)
+        why = " here (the oracle replays a recorded trace: `moespec profile` only)" if member is Predictor.ORACLE else ""
+        raise OptionError(f"{flag} {value!r} is not valid{why}", f"choose one of: {names}")
+    return member
 
 
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
@@ -58,3 +68,33 @@ def check_estimator_use(estimator: Optional[str], predictors: list[Predictor]) -
         raise OptionError(f"--estimator {estimator} is read only by the estimator and hybrid predictors, not {asked}",
                           "add --predictor hybrid (chat) or estimator/hybrid to --strategies (profile), "
                           "or drop --estimator")
+
+
+def check_predictor_files(model: Optional[str], cfg: RuntimeConfig, predictors: Sequence[Predictor] = ()) -> Path:
+    """Refuse a missing calibration or estimator file now, before anything loads (no torch import).
+
+    Args:
+        model: MODEL as given (None = the embedded default model, built or not).
+        cfg: the runtime config (its calibration_path / estimator_path are explicit files).
+        predictors: the predictors that will run (default: ``cfg.predictor``).
+
+    Returns:
+        the model folder the files were looked up for.
+
+    Raises:
+        CalibrationError: `quasi` without a calibration file, `estimator`/`hybrid` without an
+            estimator file; the message names the path (with ~ for home) and the command that writes it.
+        ModelNotFoundError, CheckpointError: MODEL cannot be resolved.
+    """
+    from moespec.calibrate.locate import find_calibration
+    from moespec.estimator.locate import find_estimator
+    from moespec.hub.resolve import resolve_model
+    from moespec.paths import DEFAULT_MODEL_FOLDER, models_dir
+
+    path = models_dir() / DEFAULT_MODEL_FOLDER if model is None else resolve_model(model)
+    kinds = set(predictors) or {cfg.predictor}
+    if Predictor.QUASI in kinds:
+        find_calibration(path, cfg.calibration_path)
+    if kinds & {Predictor.ESTIMATOR, Predictor.HYBRID}:
+        find_estimator(path, cfg.estimator_path)
+    return path

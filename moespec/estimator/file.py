@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from moespec.errors import CalibrationError, OutputError
+# Where the file lives is torch-free (the CLI checks it before loading); re-exported for callers.
+from moespec.estimator.locate import BESIDE_MODEL, default_estimator_path, describe, find_estimator  # noqa: F401
 from moespec.estimator.model import EstimatorBank, EstimatorShape
 
 FORMAT = "moespec.estimator"
@@ -90,11 +92,6 @@ def save_estimator(path: str | Path, ef: EstimatorFile) -> Path:
     if path.is_dir():
         raise OutputError(f"--out {path} is a folder", "pass a file path, e.g. --out estimators.safetensors")
     return save_safetensors_atomic(path, ef.tensors(), meta, META_KEY)
-
-
-def describe(path: Path, flag: str | None = None) -> str:
-    """How error messages name an estimator file: "estimator file PATH", plus the flag that gave it."""
-    return f"estimator file {path}" + (f" (given with {flag})" if flag else "")
 
 
 def load_estimator(path: str | Path, flag: str | None = None) -> EstimatorFile:
@@ -172,45 +169,3 @@ def check_matches(ef: EstimatorFile, path: Path, config, moe_layers: list[int], 
     if fingerprint is not None and ef.meta.get("router_fingerprint") not in (None, fingerprint):
         raise CalibrationError(f"{name} was made for {made_for}, whose router weights differ from this "
                                "model's (same architecture, other weights: a fine-tune or another revision?)", hint)
-
-
-BESIDE_MODEL = "moespec-estimator.safetensors"
-
-
-def default_estimator_path(model_path: str | Path) -> Path:
-    """Where `moespec train-estimator` writes without --out, and where the runtime looks first."""
-    from moespec.calibrate.locate import model_key
-    from moespec.hub.artifacts import estimator_path
-
-    return estimator_path(model_key(model_path))
-
-
-def find_estimator(model_path: str | Path, explicit: str | Path | None = None, flag: str = "--estimator") -> Path:
-    """The estimator file for the model at ``model_path``: ``explicit`` when given (it must exist), else
-    the one `moespec train-estimator` wrote for the model (its default path, or beside the model).
-
-    Args:
-        model_path: the model folder.
-        explicit: a path the user gave with ``flag`` (``RuntimeConfig.estimator_path``); it wins over the default.
-        flag: how errors name the option that gave ``explicit``.
-
-    Raises:
-        CalibrationError: ``explicit`` does not exist (names the path and ``flag``), or no file was found
-            (names `moespec train-estimator MODEL`).
-    """
-    from moespec.calibrate.locate import model_key
-
-    key = model_key(model_path)
-    if explicit is not None:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise CalibrationError(f"{describe(path, flag)} does not exist",
-                                   f"check the path, run `moespec train-estimator {key} --out {path}`, or drop {flag} "
-                                   "to use the file found automatically")
-        return path
-    candidates = [default_estimator_path(model_path), Path(model_path) / BESIDE_MODEL]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise CalibrationError(f"--predictor estimator/hybrid needs trained router estimators for {key}; none at {candidates[0]}",
-                           "run `moespec train-estimator MODEL` first, or use --predictor quasi or router")

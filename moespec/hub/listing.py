@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from moespec.hub.artifacts import CALIBRATION_BESIDE_MODEL, calibration_path, estimator_path
+from moespec.calibrate.locate import calibration_candidates
+from moespec.estimator.locate import estimator_candidates
 from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
 from moespec.hub.support import SUPPORTED_MODEL_TYPES
@@ -89,8 +90,8 @@ def _describe(model_id: str, source: str, refs: tuple[str, ...], commit: str, fo
         disk_bytes=disk_bytes,
         sizes=_sizes_or_none(config, model_type),
         status=status,
-        has_calibration=calibration_path(model_id).is_file() or (folder / CALIBRATION_BESIDE_MODEL).is_file(),
-        has_estimator=estimator_path(model_id).is_file(),
+        has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
+        has_estimator=any(p.is_file() for p in estimator_candidates(folder)),
     )
 
 

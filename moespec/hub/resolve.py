@@ -1,6 +1,7 @@
 """Resolve MODEL (a local folder or a Hub id) to a folder with config.json + safetensors.
 
-Offline first: a Hub id is looked up in the local Hub cache (``HF_HUB_CACHE``, by default
+A bare name such as ``smollm2-135m-moe-e16k4`` (the embedded default model) is a model moespec
+built, in ``moespec.paths.models_dir()``. Offline first: a Hub id is looked up in the local Hub cache (``HF_HUB_CACHE``, by default
 ``~/.cache/huggingface/hub``) with no network call at all, so every command runs the same with
 or without network and with ``HF_HUB_OFFLINE=1``. Nothing is downloaded here; a model that is
 not in the cache gets an error naming `moespec download`.
@@ -14,6 +15,7 @@ from pathlib import Path
 from moespec.errors import CheckpointError, ModelNotFoundError
 from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.errors import hub_offline
+from moespec.paths import DEFAULT_MODEL_FOLDER, display_path, models_dir
 
 
 def _looks_like_path(model: str) -> bool:
@@ -75,6 +77,9 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
     if path.is_dir():
         check_local_checkpoint(path, model)
         return path
+    built = _built_model(model)
+    if built is not None:
+        return built
     if path.exists() or _looks_like_path(model):
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise ModelNotFoundError(
@@ -90,6 +95,25 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         download = f"moespec download {model}" + (f" --revision {revision}" if revision else "")
         raise CheckpointError(f"the cached copy of {model} is incomplete: {exc.message}", f"run `{download}` to complete it") from exc
     return folder
+
+
+def _built_model(name: str) -> Path | None:
+    """The folder of the model moespec built under ``name`` (``moespec models`` lists it), or None.
+
+    Raises:
+        ModelNotFoundError: ``name`` is the default model's and it is not built yet.
+        CheckpointError: the folder is there but incomplete.
+    """
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    folder = models_dir() / name
+    if (folder / CONFIG_FILE).is_file():
+        check_local_checkpoint(folder, name)
+        return folder
+    if name == DEFAULT_MODEL_FOLDER:
+        raise ModelNotFoundError(f"the default model {name} is not built yet (it goes to {display_path(folder)})",
+                                 "run `moespec download --default` or `moespec chat` with no MODEL to build it")
+    return None
 
 
 def _not_cached(model: str, revision: str | None) -> ModelNotFoundError:

@@ -288,3 +288,13 @@ def format_bytes(n: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def format_bytes_short(n: int) -> str:
+    """``n`` bytes with 3 significant digits, for narrow table columns: ``702 MB``, ``66.4 MB``, ``6.14 kB``."""
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 999.5 or unit == "TB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")

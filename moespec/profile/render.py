@@ -1,118 +1,147 @@
-"""Rich tables of a profile report (strategies as rows) and of two reports side by side."""
+"""Rich tables of a profile report (strategies as rows) and of two reports side by side.
+
+Every table fits the console's width without cutting a number: columns are listed most important
+first and wrap into a second table where the width ends (moespec.tables); ``wide`` keeps one table.
+"""
 
 from __future__ import annotations
 
-from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from moespec.tables import Column, fit_tables
 
 
 def _f(value, fmt: str = ".2f", dash: str = "-") -> str:
     return dash if value is None else format(value, fmt)
 
 
-def _pm(ms: dict) -> str:
-    return f"{ms['mean']:.2f} ± {ms['std']:.2f}"
-
-
 def _name(res: dict) -> str:
     return res["strategy"] + (" (bound)" if res["upper_bound"] else "")
 
 
-def _header(rep: dict) -> str:
+def _header(rep: dict) -> list[str]:
+    """The run's context in short lines (each fits 80 columns for a model id of up to ~35 chars)."""
     m, link, cache = rep["model"], rep["link"], rep["cache"]
     emu = f" (emulated {link['emulated_gbps']:g})" if link["emulated_gbps"] else ""
-    return (f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}, "
-            f"{m['expert_bytes'] / 1e6:.3f} MB/expert · cache {cache['slots']} slots · "
-            f"{rep['hardware']['device']} ({rep['hardware']['device_name']}) · link {link['measured_gbps']:.3g} GB/s{emu} · "
-            f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × {rep['trace']['gen']} tokens")
+    return [f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}, "
+            f"{m['expert_bytes'] / 1e6:.3f} MB/expert",
+            f"cache {cache['slots']} slots · {rep['hardware']['device']} ({rep['hardware']['device_name']}) · "
+            f"link {link['measured_gbps']:.3g} GB/s{emu}",
+            f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × "
+            f"{rep['trace']['gen']} tokens"]
 
 
-def time_table(rep: dict, plen: int) -> Table:
-    """Time per strategy: TTFT, TPOT, ratio to none, stall, bounds, distance to floor."""
-    t = Table(title=f"prompt {plen} tokens: time", title_justify="left")
-    for col in ("strategy", "TTFT ms", "TPOT ms", "× none", "tok/s", "stall ms/tok", "on-demand ms", "floor ms",
-                "to floor", "copy share"):
-        t.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in (r for r in rep["results"] if r["prompt_len"] == plen):
-        b = r["bounds"]
-        t.add_row(_name(r), _pm(r["ttft_ms"]), _pm(r["tpot_ms"]), _f(r["tpot_ratio_vs_none"], ".3f"),
-                  f"{r['tokens_per_s']['mean']:.1f}", f"{r['stall_ms_per_token']:.2f}", f"{b['on_demand_ms']:.2f}",
-                  f"{b['floor_ms']:.2f}", f"{_f(b['distance_ratio'], '.2f')}×", _f(b["copy_share"], ".0%"))
-    return t
+def _rows(rep: dict, plen: int) -> list[dict]:
+    return [r for r in rep["results"] if r["prompt_len"] == plen]
 
 
-def traffic_table(rep: dict, plen: int) -> Table:
-    """Bytes, hits, prediction and quality per strategy."""
-    t = Table(title=f"prompt {plen} tokens: bytes, prediction, quality vs exact", title_justify="left")
-    for col in ("strategy", "H2D MB/tok", "link GB/s", "overlap", "hit rate", "recall@K", "w. recall",
-                "prefetch/tok", "wasted/tok", "skipped/tok", "top-1", "KL"):
-        t.add_column(col, justify="left" if col == "strategy" else "right")
-    for r in (r for r in rep["results"] if r["prompt_len"] == plen):
-        q = r["quality"]
-        t.add_row(_name(r), f"{r['h2d_bytes_per_token'] / 1e6:.3f}", _f(r["link_gbps_achieved"], ".3g"),
-                  _f(r["overlap_fraction"], ".0%"), _f(r["hit_rate"], ".2f"), _f(r["recall"], ".3f"),
-                  _f(r["weighted_recall"], ".3f"), f"{r['prefetched_per_token']:.1f}",
-                  f"{r['prefetch_wasted_per_token']:.1f}", f"{r['skipped_per_token']:.1f}",
-                  f"{q['top1_agreement']:.3f}", f"{q['kl_mean']:.2e}")
-    return t
+def time_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
+    """Time per strategy: TPOT, ratio to none, TTFT, stall, distance to the floor, bounds.
+
+    Columns in priority order; at ``width`` they wrap into a second table (None: one table).
+    """
+    rows = _rows(rep, plen)
+    key = [Column("strategy", [_name(r) for r in rows], "left")]
+    cols = [
+        Column("TPOT\nms", [f"{r['tpot_ms']['mean']:.2f}" for r in rows]),
+        Column("±", [f"{r['tpot_ms']['std']:.2f}" for r in rows]),
+        Column("×\nnone", [_f(r["tpot_ratio_vs_none"], ".3f") for r in rows]),
+        Column("TTFT\nms", [f"{r['ttft_ms']['mean']:.1f}" for r in rows]),
+        Column("stall\nms/tok", [f"{r['stall_ms_per_token']:.2f}" for r in rows]),
+        Column("to\nfloor", [f"{_f(r['bounds']['distance_ratio'], '.2f')}×" for r in rows]),
+        Column("floor\nms", [f"{r['bounds']['floor_ms']:.2f}" for r in rows]),
+        Column("on-demand\nms", [f"{r['bounds']['on_demand_ms']:.2f}" for r in rows]),
+        Column("tok/s", [f"{r['tokens_per_s']['mean']:.1f}" for r in rows]),
+        Column("copy\nshare", [_f(r["bounds"]["copy_share"], ".0%") for r in rows]),
+        Column("TTFT\n±", [f"{r['ttft_ms']['std']:.1f}" for r in rows]),
+    ]
+    return fit_tables(f"prompt {plen} tokens: time", key, cols, width)
 
 
-def recall_table(rep: dict, plen: int) -> Table | None:
-    """recall@K per layer (rows) and predicting strategy (columns); None when nothing predicted."""
-    res = [r for r in rep["results"] if r["prompt_len"] == plen and r["recall"] is not None]
+def traffic_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
+    """Bytes, hits, prediction and quality per strategy (wrapped at ``width`` like time_tables)."""
+    rows = _rows(rep, plen)
+    key = [Column("strategy", [_name(r) for r in rows], "left")]
+    cols = [
+        Column("H2D\nMB/tok", [f"{r['h2d_bytes_per_token'] / 1e6:.3f}" for r in rows]),
+        Column("hit\nrate", [_f(r["hit_rate"], ".2f") for r in rows]),
+        Column("recall\n@K", [_f(r["recall"], ".3f") for r in rows]),
+        Column("w.\nrecall", [_f(r["weighted_recall"], ".3f") for r in rows]),
+        Column("top-1", [f"{r['quality']['top1_agreement']:.3f}" for r in rows]),
+        Column("KL", [f"{r['quality']['kl_mean']:.2e}" for r in rows]),
+        Column("link\nGB/s", [_f(r["link_gbps_achieved"], ".3g") for r in rows]),
+        Column("over-\nlap", [_f(r["overlap_fraction"], ".0%") for r in rows]),
+        Column("prefetch\n/tok", [f"{r['prefetched_per_token']:.1f}" for r in rows]),
+        Column("wasted\n/tok", [f"{r['prefetch_wasted_per_token']:.1f}" for r in rows]),
+        Column("skipped\n/tok", [f"{r['skipped_per_token']:.1f}" for r in rows]),
+    ]
+    return fit_tables(f"prompt {plen} tokens: bytes, prediction, quality vs exact", key, cols, width)
+
+
+def recall_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
+    """recall@K per layer (rows) and predicting strategy (columns); [] when nothing predicted."""
+    res = [r for r in _rows(rep, plen) if r["recall"] is not None]
     if not res:
-        return None
-    title = f"prompt {plen} tokens: recall@K per layer"
-    t = Table(title=title, title_justify="left", min_width=len(title) + 2)
-    t.add_column("layer", justify="right")
-    for r in res:
-        t.add_column(r["strategy"], justify="right")
+        return []
     layers = sorted({p["layer"] for r in res for p in r["per_layer"]})
-    for layer in layers:
-        cells = []
-        for r in res:
-            p = next((p for p in r["per_layer"] if p["layer"] == layer), None)
-            cells.append(_f(p["recall"] if p else None, ".3f"))
-        t.add_row(str(layer), *cells)
-    return t
+    key = [Column("layer", [str(layer) for layer in layers])]
+    cols = []
+    for r in res:
+        by_layer = {p["layer"]: p["recall"] for p in r["per_layer"]}
+        cols.append(Column(r["strategy"], [_f(by_layer.get(layer), ".3f") for layer in layers]))
+    return fit_tables(f"prompt {plen} tokens: recall@K per layer", key, cols, width)
 
 
-def render_report(rep: dict, console: Console) -> None:
-    """Print the tables of ``rep``."""
-    console.print(f"[dim]{_header(rep)}[/]")
+_NOTES = ("× none: TPOT / TPOT of none · to floor: TPOT / floor",
+          "floor: Σ max(compute, copy of what was missed) · copy share: copy / on-demand time",
+          "oracle replays the exact run's routing (an upper bound)")
+
+
+def render_report(rep: dict, console: Console, wide: bool = False) -> None:
+    """Print the tables of ``rep``, wrapped to ``console.width`` unless ``wide`` (one table each)."""
+    width = None if wide else console.width
+    for line in _header(rep):
+        console.print(f"[dim]{escape(line)}[/]")
     for plen in dict.fromkeys(r["prompt_len"] for r in rep["results"]):
-        console.print(time_table(rep, plen))
-        console.print(traffic_table(rep, plen))
-        rt = recall_table(rep, plen)
-        if rt is not None:
-            console.print(rt)
-    console.print("[dim]× none: TPOT / TPOT of none · floor: Σ max(compute, copy of what was missed) · "
-                  "copy share: copy / on-demand time · oracle replays the exact run's routing (an upper bound)[/]")
+        for table in (*time_tables(rep, plen, width), *traffic_tables(rep, plen, width),
+                      *recall_tables(rep, plen, width)):
+            console.print(table)
+    for line in _NOTES:
+        console.print(f"[dim]{line}[/]")
 
 
-def render_compare(a: dict, b: dict, name_a: str, name_b: str, console: Console) -> None:
+def render_compare(a: dict, b: dict, name_a: str, name_b: str, console: Console, wide: bool = False) -> None:
     """Print two reports side by side, one row per (prompt length, strategy) present in either."""
-    console.print(f"[bold]A[/] {name_a}: [dim]{_header(a)}[/]")
-    console.print(f"[bold]B[/] {name_b}: [dim]{_header(b)}[/]")
+    width = None if wide else console.width
+    for tag, name, rep in (("A", name_a, a), ("B", name_b, b)):
+        console.print(f"[bold]{tag}[/] {escape(name)}")
+        for line in _header(rep):
+            console.print(f"  [dim]{escape(line)}[/]")
     diff = sorted(k for k in set(a["options"]) | set(b["options"]) if a["options"].get(k) != b["options"].get(k))
     if diff:
-        console.print("[yellow]options that differ:[/] " + ", ".join(
-            f"{k} {a['options'].get(k)!r} → {b['options'].get(k)!r}" for k in diff))
-    t = Table(title="A vs B (TPOT ms, H2D MB per token, recall@K, top-1)", title_justify="left",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("P", "strategy", "TPOT A", "TPOT B", "B/A", "MB A", "MB B",
-                "rec A", "rec B", "top1 A", "top1 B"):
-        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
+        console.print("[yellow]options that differ:[/] " + escape(", ".join(
+            f"{k} {a['options'].get(k)!r} → {b['options'].get(k)!r}" for k in diff)))
     key = lambda r: (r["prompt_len"], r["strategy"])  # noqa: E731
     ra, rb = {key(r): r for r in a["results"]}, {key(r): r for r in b["results"]}
-    for k in list(dict.fromkeys([*ra, *rb])):
-        x, y = ra.get(k), rb.get(k)
-        tx = x["tpot_ms"]["mean"] if x else None
-        ty = y["tpot_ms"]["mean"] if y else None
-        t.add_row(str(k[0]), k[1], _f(tx, ".1f"), _f(ty, ".1f"),
-                  _f(ty / tx if tx and ty else None, ".3f"),
-                  _f(x and x["h2d_bytes_per_token"] / 1e6, ".2f"), _f(y and y["h2d_bytes_per_token"] / 1e6, ".2f"),
-                  _f(x and x["recall"]), _f(y and y["recall"]),
-                  _f(x and x["quality"]["top1_agreement"]), _f(y and y["quality"]["top1_agreement"]))
-    console.print(t)
+    keys = list(dict.fromkeys([*ra, *rb]))
+    pairs = [(ra.get(k), rb.get(k)) for k in keys]
+
+    def col(header: str, value, fmt: str) -> Column:
+        return Column(header, [_f(value(x, y), fmt) for x, y in pairs])
+
+    tpot = lambda r: r and r["tpot_ms"]["mean"]  # noqa: E731
+    cols = [
+        col("TPOT A\nms", lambda x, y: tpot(x), ".1f"), col("TPOT B\nms", lambda x, y: tpot(y), ".1f"),
+        col("B/A", lambda x, y: tpot(y) / tpot(x) if tpot(x) and tpot(y) else None, ".3f"),
+        col("MB/tok\nA", lambda x, y: x and x["h2d_bytes_per_token"] / 1e6, ".2f"),
+        col("MB/tok\nB", lambda x, y: y and y["h2d_bytes_per_token"] / 1e6, ".2f"),
+        col("recall\nA", lambda x, y: x and x["recall"], ".2f"),
+        col("recall\nB", lambda x, y: y and y["recall"], ".2f"),
+        col("top-1\nA", lambda x, y: x and x["quality"]["top1_agreement"], ".2f"),
+        col("top-1\nB", lambda x, y: y and y["quality"]["top1_agreement"], ".2f"),
+    ]
+    first = [Column("P", [str(k[0]) for k in keys]), Column("strategy", [k[1] for k in keys], "left")]
+    for table in fit_tables("A vs B (TPOT ms, H2D MB per token, recall@K, top-1)", first, cols, width):
+        console.print(table)

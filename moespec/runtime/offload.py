@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moespec.config import Predictor, RuntimeConfig
+from moespec.config import Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CheckpointError, DeviceError, OptionError
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
@@ -110,20 +110,25 @@ def num_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, expert_bytes: 
     """Slots from --cache-experts or --gpu-memory (default: every expert fits).
 
     Raises:
-        BudgetError: below the minimum (states it, in experts and bytes).
+        BudgetError: below the minimum (0 and negative included); states the minimum in experts and
+            in MiB/GiB, and the hint names a value of each flag that works.
     """
     need = min_slots(top_k, cfg.predictor)
+    per = format_binary(expert_bytes)
     if cfg.cache_experts is not None:
         slots, asked = cfg.cache_experts, f"--cache-experts {cfg.cache_experts}"
     elif cfg.gpu_memory_bytes is not None:
         slots = cfg.gpu_memory_bytes // expert_bytes
-        asked = f"--gpu-memory {cfg.gpu_memory_bytes} bytes ({slots} experts of {expert_bytes} bytes)"
+        asked = f"--gpu-memory {format_binary(cfg.gpu_memory_bytes)} (room for {slots} experts of {per})"
     else:
         return total_experts
     if slots < need:
-        why = "K experts of the running layer" + ("" if cfg.predictor == Predictor.NONE else " + K prefetch slots")
-        raise BudgetError(f"{asked} is below the minimum of {need} experts ({need * expert_bytes} bytes: {why})",
-                          f"use --cache-experts {need} or --gpu-memory {need * expert_bytes} or more")
+        why = f"{top_k} for the running layer" + ("" if cfg.predictor == Predictor.NONE else f" + {top_k} prefetch slots")
+        alt = "" if cfg.predictor == Predictor.NONE else f", or --predictor none (minimum {top_k})"
+        raise BudgetError(f"{asked} is below the minimum of {need} experts = {format_binary(need * expert_bytes)} "
+                          f"({why}; {per} per expert)",
+                          f"use --cache-experts {need} or --gpu-memory {format_binary(need * expert_bytes, True)} "
+                          f"or more{alt}")
     return min(slots, total_experts)
 
 

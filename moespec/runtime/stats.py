@@ -212,10 +212,16 @@ class Summary:
     reused_tokens: int = 0
 
     def footer(self) -> str:
-        """One line for the chat UI."""
+        """One line for the chat UI, at most 80 characters for any value below 10,000 (3 significant
+        digits, e.g. ``11.6 tok/s · TPOT 86.2 ms · recall@K 0.82 · H2D 0.00 MB/tok · stall 0.00 ms/tok``)."""
         rec = "n/a" if self.recall is None else f"{self.recall:.2f}"
-        return (f"{self.tokens_per_s:.1f} tok/s · TPOT {self.tpot_ms:.1f} ms · recall@K {rec} · "
-                f"H2D {self.h2d_mb_per_token:.2f} MB/token · stall {self.stall_ms_per_token:.1f} ms/token")
+        return (f"{_short(self.tokens_per_s)} tok/s · TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · "
+                f"H2D {_short(self.h2d_mb_per_token)} MB/tok · stall {_short(self.stall_ms_per_token)} ms/tok")
+
+
+def _short(x: float) -> str:
+    """``x`` with about 3 significant digits: 0.00 .. 9.99, 10.0 .. 99.9, then whole numbers."""
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
 
 
 def summarize(steps: list[StepStats]) -> Summary:
