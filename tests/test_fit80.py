@@ -123,7 +123,8 @@ def test_stats_table_fits_80():
         layers = {i: LayerStats(hits=3, misses=1, prefetched=4, prefetch_wasted=1, h2d_bytes=123_456_789,
                                 stall_ms=1234.5, compute_ms=987.6, recall_hits=3, recall_total=4) for i in range(30)}
         steps.append(StepStats(kind="decode", tokens=1, wall_ms=100.0, layers=layers))
-    session = SimpleNamespace(engine=SimpleNamespace(om=SimpleNamespace(recorder=SimpleNamespace(steps=steps))))
+    session = SimpleNamespace(engine=SimpleNamespace(om=SimpleNamespace(recorder=SimpleNamespace(steps=steps))),
+                              last=None)
     c = console()
     _print_stats(session, c)
     out = text_of(c)

@@ -67,7 +67,5 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
         path = ensure_default_model(console)
     else:
         path = resolve_model(model)
-    om = load_offloaded(path, cfg, StatsRecorder())
-    # Why: stats must come from synchronised clocks; the recorder syncs through the transfer engine.
-    om.recorder.synchronize = om.cache.engine.synchronize
+    om = load_offloaded(path, cfg, StatsRecorder())  # wires the recorder's synchronize to the engine
     return OpenedModel(Engine(om), AutoTokenizer.from_pretrained(path), Path(path))

@@ -9,9 +9,9 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, Flag,
-                                GpuMemory, LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors,
-                                register_command, set_threads)
+from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
+                                FetchThreshold, Flag, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
+                                err_console, handles_errors, register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -59,14 +59,14 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help=SYSTEM_HELP),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
-    predictor: str = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid."),
-    execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
+    predictor: str = PredictorOpt,
+    execute: str = ExecuteOpt,
     fetch_threshold: float = FetchThreshold,
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     link_gbps: Optional[float] = LinkGbps,
-    calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
+    calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; any positive value samples."),
@@ -124,37 +124,16 @@ def _read_prompt(prompt: Optional[str], json_out: bool) -> Optional[str]:
 
 
 def _open_session(model, cfg, sampling, system, quiet: bool):
+    from moespec.chat.open_model import open_model
     from moespec.cli.runtime_opts import check_predictor_files
 
     check_predictor_files(model, cfg)  # a missing calibration/estimator file: said in < 1 s, before loading
-    from transformers import AutoTokenizer
-
     from moespec.chat.session import ChatSession
-    from moespec.hub.resolve import resolve_model
-    from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
-    from moespec.runtime.stats import StatsRecorder
 
-    if model is None:
-        try:
-            from moespec.default_model import ensure_default_model
-        except ImportError:
-            from moespec.errors import ModelNotFoundError
-
-            raise ModelNotFoundError("this build has no embedded default model",
-                                     "pass MODEL: a local folder or a Hub id (`moespec download MODEL`)") from None
-        path = ensure_default_model(None if quiet else err_console)
-    else:
-        path = resolve_model(model)
-    om = load_offloaded(path, cfg, StatsRecorder())
-    # Why: stats must come from synchronised clocks; the recorder syncs through the transfer engine.
-    om.recorder.synchronize = om.cache.engine.synchronize
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    opened = open_model(model, cfg, None if quiet else err_console)
     if not quiet:
-        err_console.print(
-            f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
-            f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.2f} MB "
-            f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}[/]")
+        om = opened.engine.om
+        err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
         total = len(om.store.moe_layers) * om.store.num_experts
         if om.cache.num_slots >= total:
             from moespec.runtime.offload import min_slots
@@ -163,7 +142,7 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
             some = max(min_slots(om.adapter.top_k(), cfg.predictor), total // 4)
             err_console.print(f"[dim]all {total} experts fit the cache, none is offloaded; "
                               f"--cache-experts {some} offloads[/]")
-    return ChatSession(Engine(om), tokenizer, sampling, system)
+    return ChatSession(opened.engine, opened.tokenizer, sampling, system)
 
 
 def _one_shot(session, prompt: str, json_out: bool, out) -> None:

@@ -115,7 +115,9 @@ EstimatorPath = typer.Option(None, "--estimator",
                              help="Estimator file for --predictor estimator / hybrid (default: the one "
                                   "`moespec train-estimator` wrote for MODEL).")
 PredictorOpt = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid.")
-ExecuteOpt = typer.Option("exact", "--execute", help="exact, speculative or guarded.")
+ExecuteOpt = typer.Option("exact", "--execute",
+                          help="exact, speculative or guarded. exact equals transformers' default experts "
+                               "implementation at the same dtype (top-k outputs summed in float32, rounded once).")
 CalibrationPath = typer.Option(None, "--calibration",
                                help="Calibration file for --predictor quasi (default: found automatically).")
 Threads = typer.Option(None, "--threads",

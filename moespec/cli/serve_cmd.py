@@ -8,7 +8,7 @@ import typer
 
 from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
                                 FetchThreshold, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
-                                err_console, handles_errors, set_threads)
+                                err_console, handles_errors, register_command, set_threads)
 from moespec.errors import MoespecError
 
 HELP = """Serve an MoE model through an OpenAI-compatible HTTP API.
@@ -57,7 +57,7 @@ def _require_serve_extra() -> None:
 
 def register(app: typer.Typer) -> None:
     """Add the `serve` command to ``app``."""
-    app.command("serve", help=HELP)(serve)
+    register_command(app, "serve", HELP, serve)
 
 
 @handles_errors
@@ -133,9 +133,11 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
     import uvicorn
 
     from moespec.chat.open_model import open_model
+    from moespec.cli.runtime_opts import check_predictor_files
     from moespec.serve.app import create_app
     from moespec.serve.backend import ModelBackend
 
+    check_predictor_files(model, cfg)  # a missing calibration/estimator file: said before loading
     opened = open_model(model, cfg, err_console)
     err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
     app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
