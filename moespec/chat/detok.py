@@ -2,8 +2,8 @@
 
 Byte-level tokenizers can split one UTF-8 character over several tokens; decoding a prefix
 then ends in U+FFFD. The decoder holds such a tail back until the character is complete, so
-every piece it returns is final and the pieces concatenate to ``decode(all ids)``. The same
-rule as ChatSession.send, factored out for the server (see moespec/serve).
+every piece it returns is final and the pieces concatenate to ``decode(all ids)``. Used by
+ChatSession.send and the server (moespec/serve), so both stream the same text.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from moespec.chat.detok import IncrementalDecoder
 from moespec.chat.render import Rendered, render, stop_ids
 from moespec.config import SamplingConfig
 from moespec.errors import PromptError
@@ -102,24 +103,20 @@ class ChatSession:
         sampling = SamplingConfig(self.sampling.max_new_tokens, self.sampling.temperature,
                                   self.sampling.top_p, self.sampling.seed + len(self.history) // 2)
         stops = self.stop_ids()
-        new: list[int] = []
-        shown = ""
+        decoder = IncrementalDecoder(self.tokenizer)  # holds back an incomplete UTF-8 character
         try:
             for tok in self.engine.generate(ids, sampling, stops):
                 if tok in stops:
                     break
-                new.append(tok)
-                full = self.tokenizer.decode(new, skip_special_tokens=True)
-                if full.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the next token
-                piece, shown = full[len(shown):], full  # shown before yielding: the caller may stop here
-                yield piece
+                piece = decoder.push(tok)  # decoder.shown is set before yielding: the caller may stop here
+                if piece:
+                    yield piece
         except BaseException:  # Ctrl-C (also GeneratorExit when the caller stops reading)
-            self._record(text, new, shown, interrupted=True)
+            self._record(text, decoder.ids, decoder.shown, interrupted=True)
             raise
-        answer = self._record(text, new, shown, interrupted=False)
-        if len(answer) > len(shown):
-            yield answer[len(shown):]
+        answer = self._record(text, decoder.ids, decoder.shown, interrupted=False)
+        if len(answer) > len(decoder.shown):
+            yield answer[len(decoder.shown):]
 
     def _record(self, text: str, new: list[int], shown: str, interrupted: bool) -> str:
         """Add the turn to the history (module docstring says what an interrupted one keeps)."""
