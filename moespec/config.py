@@ -63,7 +63,10 @@ class RuntimeConfig:
         estimator_path: estimator file for the estimator/hybrid predictors (None = found automatically).
         expert_dtype: "auto" keeps the checkpoint's expert format (GPT-OSS MXFP4 stays packed in host
             memory and is dequantised on the device after each copy); a dtype name (e.g. "bf16")
-            dequantises packed experts once at load into that dtype, which must be the compute dtype.
+            dequantises packed experts once at load into that dtype, which must be the compute dtype;
+            "int8" / "int4" quantises the experts group-wise while the checkpoint streams in (rows moved
+            packed, dequantised after each copy; GPT-OSS refuses them).
+        group_size: weights per scale/zero point of int8/int4 experts (``--group-size``); None = default.
     """
 
     device: str = "cpu"
@@ -77,6 +80,7 @@ class RuntimeConfig:
     calibration_path: str | None = None
     estimator_path: str | None = None
     expert_dtype: str = "auto"
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.cache_experts is not None and self.cache_experts < 1:
