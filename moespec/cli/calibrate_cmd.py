@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, GroupSize, HeldoutTokens, ModelArg, Seed,
                                 SeqLen, Threads, err_console, handles_errors, set_threads)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
@@ -43,6 +43,7 @@ def calibrate(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     seed: int = Seed,
     threads: Optional[int] = Threads,
 ) -> None:
@@ -61,7 +62,8 @@ def calibrate(
 
     set_threads(threads)
     cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
-    rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory,
+    rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size,
+                                gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None)
     source = load_text_source(data, seed)  # bad data fails before the model loads

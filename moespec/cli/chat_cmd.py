@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory, GroupSize,
                                 LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
@@ -50,6 +50,7 @@ def chat(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
     estimator: Optional[str] = EstimatorPath,
@@ -73,7 +74,7 @@ def chat(
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
-        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
     )

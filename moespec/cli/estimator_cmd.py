@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, HeldoutTokens, ModelArg, Seed,
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, GroupSize, HeldoutTokens, ModelArg, Seed,
                                 SeqLen, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
@@ -60,6 +60,7 @@ def train_estimator(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
@@ -88,7 +89,7 @@ def train_estimator(
     set_threads(threads)
     rcfg = build_runtime_config(device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0,
-                                link_gbps=None, expert_dtype=expert_dtype)
+                                link_gbps=None, expert_dtype=expert_dtype, group_size=group_size)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     target = ensure_writable(Path(out) if out else default_estimator_path(path))

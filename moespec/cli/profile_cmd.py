@@ -7,7 +7,8 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
+                                GroupSize, LinkGbps, Seed,
                                 Threads, err_console, handles_errors, set_threads)
 
 HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
@@ -78,6 +79,8 @@ def profile(
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
     dtype: str = Dtype,
+    expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
     estimator: Optional[str] = EstimatorPath,
@@ -113,7 +116,7 @@ def profile(
     set_threads(threads)
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None)
+                             trace is not None, expert_dtype, group_size)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -134,7 +137,7 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, expert_dtype="auto", group_size=None):
     """Load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -156,7 +159,8 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        expert_dtype=expert_dtype, group_size=group_size)
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
@@ -181,6 +185,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
+                   "expert_dtype": expert_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
                    "seed": seed, "threads": torch.get_num_threads()}
         return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines

@@ -157,3 +157,36 @@ class QuantLayout(ExpertLayout):
         xr = x.to(row.device)  # no-op when both are on the same device
         gate, up = F.linear(xr, w["gate_up"]).chunk(2, dim=-1)  # [t, I] each
         return F.linear(act(gate) * up, w["down"]).to(x.device)  # [t, H]
+
+
+def expert_format(layout: ExpertLayout, dtype: torch.dtype) -> str:
+    """How a layout stores experts, for reports: "int4-g64", "int8-g64", "mxfp4" or the dtype name."""
+    if isinstance(layout, QuantLayout):
+        return f"int{layout.bits}-g{layout.group_size}"
+    if layout.storage_dtype(dtype) == torch.uint8:
+        return "mxfp4"  # the only other packed layout (GPT-OSS)
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def fake_quantize_experts_(model: torch.nn.Module, layout: QuantLayout) -> int:
+    """Reference for ``exact`` with int8/int4 experts: replace, in place, every fused expert weight of a
+    plain transformers model (gate_up_proj [E, 2I, H], down_proj [E, H, I]) by its quantised-then-
+    dequantised value, projection by projection as the converter does (gate and up separately).
+
+    Returns the number of expert projections changed. The model then computes what moespec's
+    QuantLayout rows compute, so its logits are what `exact` must reproduce.
+    """
+    from moespec.models.quant import fake_quantize
+
+    spec, i, changed = layout.spec, layout.intermediate, 0
+    for module in model.modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
+            continue
+        for e in range(gate_up.shape[0]):
+            gate_up[e, :i] = fake_quantize(gate_up[e, :i], spec)  # [I, H]
+            gate_up[e, i:] = fake_quantize(gate_up[e, i:], spec)  # [I, H]
+            down[e] = fake_quantize(down[e], spec)  # [H, I]
+            changed += 3
+    return changed

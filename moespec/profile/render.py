@@ -23,7 +23,7 @@ def _header(rep: dict) -> str:
     m, link, cache = rep["model"], rep["link"], rep["cache"]
     emu = f" (emulated {link['emulated_gbps']:g})" if link["emulated_gbps"] else ""
     return (f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}, "
-            f"{m['expert_bytes'] / 1e6:.3f} MB/expert · cache {cache['slots']} slots · "
+            f"{m['expert_bytes'] / 1e6:.3f} MB/expert ({m.get('expert_format', m['dtype'])}) · cache {cache['slots']} slots · "
             f"{rep['hardware']['device']} ({rep['hardware']['device_name']}) · link {link['measured_gbps']:.3g} GB/s{emu} · "
             f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × {rep['trace']['gen']} tokens")
 
