@@ -69,9 +69,13 @@ class QuantLayout(ExpertLayout):
         return torch.uint8
 
     def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
-        v = super().views(row)
+        v = self.views_with_pad(row)
         v.pop("pad", None)
         return v
+
+    def views_with_pad(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every part's view, the padding included (the converter zeroes it: cached files are deterministic)."""
+        return super().views(row)
 
     def unpack(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [2I, H] and down [H, I] dequantised to float32 (new tensors, not views)."""
@@ -95,6 +99,8 @@ class QuantLayout(ExpertLayout):
 
     def disk_view(self, row: torch.Tensor, part: str) -> torch.Tensor | None:
         """Where a converted part ("gate.scales", "down.codes", ...) lands: a byte range of the row."""
+        if part == "pad":
+            return self.views_with_pad(row).get("pad")
         proj, _, kind = part.partition(".")
         if proj not in _PROJ or kind not in _KINDS:
             return None
@@ -142,6 +148,9 @@ class QuantLayout(ExpertLayout):
                     out += emit(key.layer, e, "gate", w[:i], name) + emit(key.layer, e, "up", w[i:], name)
                 else:
                     out += emit(key.layer, e, key.part, w, name)
+                pad = self.part_shapes().get("pad")
+                if key.part == "down" and pad:  # the store buffer is uninitialised memory
+                    out.append((ExpertKey(key.layer, e, "pad"), torch.zeros(pad, dtype=torch.uint8), name))
             return out
 
         return convert
