@@ -24,7 +24,7 @@ model built from a tiny config (tests/test_hub_sizes.py), and an entry in ``_FAM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from moespec.errors import OptionError, UnsupportedModelError
@@ -294,3 +294,20 @@ def format_bytes(n: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:
+    """``sizes`` with experts counted as ``--expert-dtype`` int8 / int4 stores them (other values: unchanged).
+
+    GPT-OSS keeps its MXFP4 experts (the runtime refuses int8/int4 for it), so its sizes stay as they are.
+
+    Raises:
+        OptionError: a group size that does not divide the expert projections.
+    """
+    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss":
+        return sizes
+    group = group_size or DEFAULT_GROUP_SIZE
+    if (sizes.params.expert_params // 3) % group:
+        raise OptionError(f"--group-size {group} does not divide the {sizes.params.expert_params // 3} weights "
+                          "of an expert projection", "use --group-size 64 or another power of two that divides it")
+    return replace(sizes, expert_format=expert_dtype, group_size=group)
