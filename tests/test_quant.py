@@ -124,3 +124,22 @@ def test_default_group_size_bytes_meet_the_issue_ratios():
     assert QuantLayout(hidden=576, intermediate=80, bits=8).numel <= 0.27 * f32
     assert QuantLayout(hidden=576, intermediate=80, bits=4).numel <= 0.15 * f32
     assert math.gcd(576 * 80, 64) == 64
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_dequantised_on_the_device_equals_the_host(bits):
+    """A row copied to the device computes there; a host row computes on the host for device tokens."""
+    layout = QuantLayout(hidden=64, intermediate=32, bits=bits, group_size=64)
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randint(0, 256, (layout.numel,), dtype=torch.uint8, generator=gen)
+    row[:layout.part_shapes()["gate_up_scales"][0] + layout.part_shapes()["down_scales"][0]] = 0
+    for name in ("gate_up_scales", "down_scales"):  # finite scales
+        layout.views(row)[name].view(torch.float16).fill_(0.01)
+    x = torch.randn(3, 64, generator=gen)
+    act = torch.nn.functional.silu
+    host = layout.forward(x, row, act)
+    dev = layout.forward(x.cuda(), row.cuda(), act)
+    assert torch.allclose(dev.cpu(), host, atol=1e-5)
+    mixed = layout.forward(x.cuda(), row, act)  # host row, device tokens: computed on the host
+    assert mixed.device.type == "cuda" and torch.equal(mixed.cpu(), host)
