@@ -114,9 +114,12 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
     om.recorder.synchronize = om.cache.engine.synchronize
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not quiet:
+        from moespec.models.quant_layout import expert_format
+
         err_console.print(
             f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.2f} MB "
+            f"({expert_format(om.store.layout, om.dtype)}) "
             f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}[/]")
     return ChatSession(Engine(om), tokenizer, sampling, system)
 

@@ -174,9 +174,12 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
+        from moespec.models.quant_layout import expert_format
+
         err_console.print(
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
+            f"({expert_format(om.store.layout, om.dtype)}) "
             f"on {om.device}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
