@@ -79,7 +79,7 @@ def test_other_group_size_has_its_own_file_and_corrupt_files_rebuild(model):
 def test_group_size_must_divide_the_expert_projections(model):
     with pytest.raises(OptionError, match="--group-size 24 does not divide the 512 weights") as info:
         _load(model, group_size=24)
-    assert info.value.hint == "use --group-size 256"
+    assert info.value.hint == "use --group-size 64"
 
 
 def test_group_size_without_int_dtype_is_refused(model):

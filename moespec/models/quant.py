@@ -85,7 +85,7 @@ class QuantSpec:
             OptionError: names the group size, the count and the flag.
         """
         if numel % self.group_size:
-            fits = [g for g in (256, 128, 64, 32, 16, 8) if numel % g == 0]
+            fits = [g for g in (64, 128, 32, 256, 16, 8) if numel % g == 0]  # nearest the default first
             hint = f"use --group-size {fits[0]}" if fits else "use a --group-size that divides it"
             raise OptionError(f"--group-size {self.group_size} does not divide the {numel} weights of {what}", hint)
 
