@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from moespec.errors import CheckpointError
 from moespec.models.layout import ExpertLayout
-from moespec.models.quant import SCALE_DTYPE, QuantSpec, dequantize, quantize
+from moespec.models.quant import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, dequantize, quantize
 
 _KINDS = ("scales", "zeros", "codes")
 _PROJ = ("gate", "up", "down")
@@ -40,7 +40,7 @@ class QuantLayout(ExpertLayout):
     """
 
     bits: int = 4
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
         self.spec.check_divides(self.hidden * self.intermediate,
