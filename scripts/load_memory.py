@@ -26,8 +26,11 @@ import sys, json, threading, time
 import torch, transformers, accelerate, safetensors  # imports are not part of loading
 from moespec.config import RuntimeConfig
 from moespec.models.quant import _primitives
+import transformers.models.qwen3_moe.modeling_qwen3_moe  # transformers' lazy imports (~3 s) neither
+from transformers import AutoConfig, AutoModelForCausalLM
+from accelerate import init_empty_weights
 if sys.argv[2] != "auto":
-    _primitives()  # torchao's import (~1-4 s of CPU) is not loading either
+    _primitives()  # nor torchao's (~1-4 s)
 from moespec.runtime.offload import load_offloaded
 
 def status(key):
