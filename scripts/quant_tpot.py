@@ -1,6 +1,6 @@
 """Zero-cache TPOT and recall of int4 (or int8) experts against float32, alternating in one run.
 
-    python scripts/quant_tpot.py [--rounds 3] [--expert-dtype int4] [--link-gbps 0.09] [MODEL]
+    python scripts/quant_tpot.py [--rounds 3] [--expert-dtype int4] [--link-gbps 0.09] [--calibration F] [MODEL]
 
 Each round runs `moespec profile` twice back to back on the same deterministic trace, float32
 experts then quantised experts (--cache-experts 8 = 2K slots on the default model, so nothing
@@ -26,6 +26,8 @@ def _profile(model: list[str], out: Path, args, expert_dtype: str) -> dict:
            "--cache-experts", "8", "--link-gbps", str(args.link_gbps), "--prompt-len", str(args.prompt_len),
            "--gen", str(args.gen), "--repeats", str(args.repeats), "--warmup", "2", "--device", "cpu",
            "--threads", "1", "--expert-dtype", expert_dtype, "--out", str(out), "--force"]
+    if args.calibration:
+        cmd += ["--calibration", args.calibration]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     return {r["strategy"]: r for r in report["results"]} | {"_model": report["model"]}
@@ -40,6 +42,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--calibration", default=None, help="calibration file for quasi (default: MODEL's)")
     args = parser.parse_args()
     model = [args.model] if args.model else []
     rounds = []
