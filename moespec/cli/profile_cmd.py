@@ -7,8 +7,9 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, Flag, GpuMemory, LinkGbps,
-                                Seed, Threads, err_console, handles_errors, register_command, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, Flag, GpuMemory,
+                                GroupSize, LinkGbps, Seed, Threads, err_console, handles_errors, register_command,
+                                set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -83,6 +84,8 @@ def profile(
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
     dtype: str = Dtype,
+    expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
     estimator: Optional[str] = EstimatorPath,
@@ -127,7 +130,7 @@ def profile(
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None, threads)
+                             trace is not None, threads, expert_dtype, group_size)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -148,7 +151,8 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads):
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads, expert_dtype="auto",
+         group_size=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -164,7 +168,8 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        expert_dtype=expert_dtype, group_size=group_size)
     set_threads(threads)
     import torch
 
@@ -186,9 +191,12 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
+        from moespec.models.quant_layout import expert_format
+
         err_console.print(
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
+            f"({expert_format(om.store.layout, om.dtype)}) "
             f"on {om.device}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
@@ -197,6 +205,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
+                   "expert_dtype": expert_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
                    "seed": seed, "threads": torch.get_num_threads()}
         return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines

@@ -37,7 +37,8 @@ def enum_option(kind: type[E], value: str, flag: str, choices: Optional[Sequence
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
-                         expert_dtype: str = "auto", estimator: Optional[str] = None) -> RuntimeConfig:
+                         expert_dtype: str = "auto", estimator: Optional[str] = None,
+                         group_size: Optional[int] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
@@ -53,7 +54,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
         cache_experts=cache_experts, predictor=predictor, execute=execute,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
-        estimator_path=estimator or None, expert_dtype=expert_dtype,
+        estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size,
     )
 
 

@@ -9,26 +9,34 @@ Families that differ:
   - gpt_oss: experts carry biases (gate_up bias 2I, down bias H) and ship as MXFP4 blocks + scales
     (4.25 bits per weight, biases in the checkpoint dtype), so the bytes of one expert follow the
     quantization_config, not the dtype (``expert_dtype`` asks for the dequantised size instead);
+    int8/int4 (``--expert-dtype``) are refused for it, as the runtime refuses them;
     attention has biases and one sink per head.
   - deepseek_v2/v3, glm4_moe_lite: MLA attention; the first layers are dense MLPs
     (first_k_dense_replace, or mlp_layer_types); n_shared_experts × moe_intermediate_size shared
     (dense) width; the router's e_score_correction_bias is a buffer and not counted; an MTP layer
     beyond num_hidden_layers (V3) is not counted: transformers does not build it.
+With ``expert_dtype`` int8 / int4 every other family's experts count as moespec quantises them at load
+(moespec.models.quant_layout): codes (1 or 1/2 byte per weight) + a float16 scale and a uint8 zero
+point per group of ``group_size`` weights, the row padded to 16 bytes.
 Each family has a ``_count_<family>`` returning :class:`ParamCounts`, a test against the transformers
 model built from a tiny config (tests/test_hub_sizes.py), and an entry in ``_FAMILIES``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from moespec.errors import UnsupportedModelError
+from moespec.errors import OptionError, UnsupportedModelError
 
 # Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
 # refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host_memory).
 HOST_HEADROOM_BYTES = 512 * 2**20
 
+QUANT_BITS = {"int8": 8, "int4": 4}  # --expert-dtype values quantised at load
+QUANT_GROUP_BYTES = 3  # float16 scale + uint8 zero point per group (moespec.models.quant)
+DEFAULT_GROUP_SIZE = 64  # = moespec.models.quant.DEFAULT_GROUP_SIZE (this module never imports torch)
+ROW_ALIGN = 16  # packed rows are padded to 16 bytes
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -71,7 +79,9 @@ class ModelSizes:
         dtype: the weights' dtype name (e.g. "bfloat16").
         bytes_per_param: 2 for bf16/fp16, 4 for fp32.
         params: the parameter counts.
-        expert_format: "mxfp4" when experts are kept packed (GPT-OSS checkpoints), else the dtype.
+        expert_format: "mxfp4" when experts are kept packed (GPT-OSS checkpoints), "int8" / "int4" when
+            quantised at load, else the dtype.
+        group_size: weights per scale of int8/int4 experts (0 otherwise).
     """
 
     model_type: str
@@ -79,6 +89,7 @@ class ModelSizes:
     bytes_per_param: int
     params: ParamCounts
     expert_format: str = ""
+    group_size: int = 0
 
     @property
     def expert_bytes(self) -> int:
@@ -86,6 +97,10 @@ class ModelSizes:
         if self.expert_format == "mxfp4":  # 4 bits per weight + one 8-bit scale per 32; biases unquantised
             weights = self.params.expert_params - self.params.expert_bias_params
             return weights // 2 + weights // 32 + self.params.expert_bias_params * self.bytes_per_param
+        if self.expert_format in QUANT_BITS:  # codes + (scale, zero) per group, row padded to 16 bytes
+            weights = self.params.expert_params
+            used = weights * QUANT_BITS[self.expert_format] // 8 + weights // self.group_size * QUANT_GROUP_BYTES
+            return used + (-used) % ROW_ALIGN
         return self.params.expert_params * self.bytes_per_param
 
     @property
@@ -248,21 +263,23 @@ def sized_model_types() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto") -> ModelSizes:
+def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto", group_size: int | None = None) -> ModelSizes:
     """Compute the byte sizes of a checkpoint from its parsed config.json.
 
     The dtype is config's ``dtype`` (transformers 5) or ``torch_dtype``; bfloat16 when absent.
     A VLM-style config with the text model under ``text_config`` is read from there. Experts of an
     MXFP4 checkpoint (quantization_config.quant_method) count packed, as moespec stores and moves
     them, unless ``expert_dtype`` is not "auto" (``--expert-dtype``: dequantised at load to the dtype).
+    ``expert_dtype`` int8 / int4 counts experts quantised with ``group_size`` (default 64) weights per scale.
 
     Raises:
         UnsupportedModelError: the model_type has no size rule yet, or a needed field is missing.
+        OptionError: int8/int4 for gpt_oss (its experts stay MXFP4).
     """
     model_type = str(config.get("model_type") or "")
     if model_type not in _FAMILIES and isinstance(config.get("text_config"), Mapping):
         outer = {k: config[k] for k in ("dtype", "torch_dtype", "quantization_config") if k in config}
-        return model_sizes({**config["text_config"], **outer}, expert_dtype)
+        return model_sizes({**config["text_config"], **outer}, expert_dtype, group_size)
     if model_type not in _FAMILIES:
         raise UnsupportedModelError(
             f"no size rule for model_type {model_type!r}; known: {', '.join(sized_model_types())}",
@@ -276,8 +293,14 @@ def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto") -> ModelS
             f"config.json of this {model_type} model lacks {exc.args[0]!r}", "re-download the model's config.json"
         ) from exc
     quant = config.get("quantization_config") or {}
+    bpp = _DTYPE_BYTES.get(dtype, 2)
+    if expert_dtype in QUANT_BITS:
+        if model_type == "gpt_oss":
+            raise OptionError(f"--expert-dtype {expert_dtype} is not supported for gpt_oss experts",
+                              "use --expert-dtype auto: GPT-OSS experts stay MXFP4 (4.25 bits) and move packed")
+        return ModelSizes(model_type, dtype, bpp, params, expert_dtype, group_size or DEFAULT_GROUP_SIZE)
     mxfp4 = expert_dtype == "auto" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
-    return ModelSizes(model_type, dtype, _DTYPE_BYTES.get(dtype, 2), params, "mxfp4" if mxfp4 else dtype)
+    return ModelSizes(model_type, dtype, bpp, params, "mxfp4" if mxfp4 else dtype)
 
 
 def format_bytes(n: int) -> str:
@@ -298,3 +321,18 @@ def format_bytes_short(n: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:
+    """``sizes`` with experts counted as ``--expert-dtype`` int8 / int4 stores them (other values: unchanged).
+
+    GPT-OSS keeps its MXFP4 experts (the runtime refuses int8/int4 for it), so its sizes stay as they are.
+
+    Raises:
+        OptionError: a group size that does not divide the expert projections.
+    """
+    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss":
+        return sizes
+    group = group_size or DEFAULT_GROUP_SIZE
+    if (sizes.params.expert_params // 3) % group:
+        raise OptionError(f"--group-size {group} does not divide the {sizes.params.expert_params // 3} weights "
+                          "of an expert projection", "use --group-size 64 or another power of two that divides it")
+    return replace(sizes, expert_format=expert_dtype, group_size=group)

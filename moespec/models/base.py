@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moespec.errors import OptionError
 from moespec.models.layout import ExpertLayout
+from moespec.models.quant import DEFAULT_GROUP_SIZE, ExpertQuant
 
 # Parts of an expert as stored on disk. "gate_up"/"down" with expert None are fused [E, ...] tensors;
 # families with other parts (biases, MXFP4 blocks/scales) name them in their layout.
@@ -55,6 +57,35 @@ class ExpertKey:
     part: str
 
 
+FLOAT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                "fp32": torch.float32, "float32": torch.float32}
+
+
+def expert_quant(expert_dtype: str, dtype: torch.dtype, group_size: int | None) -> ExpertQuant | None:
+    """Parse ``--expert-dtype``: the low-bit format it asks for, or None to keep the checkpoint's experts.
+
+    Raises:
+        OptionError: an unknown value, a float dtype other than the compute dtype ``dtype``, or a
+            --group-size given without int8/int4.
+    """
+    if expert_dtype in (q.value for q in ExpertQuant):
+        return ExpertQuant(expert_dtype)
+    if group_size is not None:
+        raise OptionError(f"--group-size {group_size} applies to --expert-dtype int8/int4, not {expert_dtype}",
+                          "add --expert-dtype int4 (or int8), or drop --group-size")
+    if expert_dtype == "auto":
+        return None
+    want = FLOAT_DTYPES.get(expert_dtype)
+    if want is None:
+        raise OptionError(f"--expert-dtype {expert_dtype!r} is not valid",
+                          f"choose one of: auto, int8, int4, {', '.join(FLOAT_DTYPES)}")
+    if want != dtype:
+        name = str(dtype).removeprefix("torch.")
+        raise OptionError(f"--expert-dtype {expert_dtype} differs from the compute dtype {name}",
+                          f"use --expert-dtype auto, or --dtype {expert_dtype} with --expert-dtype {expert_dtype}")
+    return None
+
+
 class MoeAdapter:
     """Default adapter: softmax -> top-k (-> renormalise) routers, SwiGLU experts, no shared expert.
 
@@ -87,20 +118,37 @@ class MoeAdapter:
         """I: intermediate size of one routed expert."""
         return int(getattr(self.config, "moe_intermediate_size", None) or self.config.intermediate_size)
 
-    def layout(self, dtype: torch.dtype = torch.float32, expert_dtype: str = "auto") -> ExpertLayout:
+    def layout(self, dtype: torch.dtype = torch.float32, expert_dtype: str = "auto",
+               group_size: int | None = None) -> ExpertLayout:
         """The packed layout of one expert for a model computing in ``dtype``.
 
-        ``expert_dtype`` matters only for families whose checkpoints ship packed experts (GPT-OSS
-        MXFP4): "auto" keeps the checkpoint's format, a dtype name dequantises once at load.
+        ``expert_dtype`` (``--expert-dtype``): "auto" or the compute dtype keeps the checkpoint's
+        experts; "int8" / "int4" quantises them group-wise at load (``group_size`` weights per scale,
+        default :data:`moespec.models.quant.DEFAULT_GROUP_SIZE`) into a :class:`QuantLayout` row.
+        Families whose checkpoints ship packed experts (GPT-OSS MXFP4) override this.
+
+        Raises:
+            OptionError: an unknown --expert-dtype, a float dtype other than --dtype, or a
+                --group-size that does not divide I*H (or without int8/int4).
         """
-        return ExpertLayout(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate())
+        shape = dict(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate())
+        quant = expert_quant(expert_dtype, dtype, group_size)
+        if quant is None:
+            return ExpertLayout(**shape)
+        from moespec.models.quant_layout import QuantLayout
+
+        return QuantLayout(**shape, bits=quant.bits, group_size=group_size or DEFAULT_GROUP_SIZE)
 
     def expert_converter(self, layout: ExpertLayout):
         """A callable (key, tensor, name) -> [(key, tensor, name), ...] applied to expert tensors at load.
 
-        The default passes every tensor through; GPT-OSS pairs MXFP4 blocks with scales and
-        dequantises them when the layout is dense.
+        The default passes every tensor through, or quantises it for a QuantLayout (int8/int4);
+        GPT-OSS pairs MXFP4 blocks with scales and dequantises them when the layout is dense.
         """
+        from moespec.models.quant_layout import QuantLayout
+
+        if isinstance(layout, QuantLayout):
+            return layout.converter()
         return lambda key, tensor, name: [(key, tensor, name)]
 
     def is_moe_block(self, module: nn.Module) -> bool:

@@ -19,13 +19,12 @@ from torch import nn
 
 from moespec.errors import CheckpointError, OptionError
 from moespec.models import mxfp4
-from moespec.models.base import ExpertKey, MoeAdapter, Routing
+from moespec.models.base import ExpertKey, MoeAdapter, Routing, expert_quant
 from moespec.models.gpt_oss_experts import GptOssLayout, GptOssMxfp4Layout
 from moespec.models.layout import ExpertLayout
+from moespec.models.quant import ExpertQuant
 
 _EXPERT_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias|_blocks|_scales)?")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
 
 
 class GptOssAdapter(MoeAdapter):
@@ -41,20 +40,23 @@ class GptOssAdapter(MoeAdapter):
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         return str(getattr(method, "value", method)) == "mxfp4"
 
-    def layout(self, dtype: torch.dtype = torch.float32, expert_dtype: str = "auto") -> ExpertLayout:
+    def layout(self, dtype: torch.dtype = torch.float32, expert_dtype: str = "auto",
+               group_size: int | None = None) -> ExpertLayout:
         """MXFP4 rows for MXFP4 checkpoints with --expert-dtype auto, dense rows otherwise.
 
+        int8/int4 are refused: GPT-OSS ships its experts as MXFP4 (4.25 bits per weight), which
+        moespec already moves packed, and its transposed, biased rows have no quantised layout.
+
         Raises:
-            OptionError: --expert-dtype names a dtype other than the compute dtype (--dtype).
+            OptionError: --expert-dtype int8/int4, or a dtype other than the compute dtype (--dtype).
         """
         shape = dict(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate(),
                      alpha=float(self.config.swiglu_alpha), limit=float(self.config.swiglu_limit))
-        if expert_dtype != "auto":
-            want = _DTYPES.get(expert_dtype)
-            if want != dtype:
-                name = str(dtype).removeprefix("torch.")
-                raise OptionError(f"--expert-dtype {expert_dtype} differs from the compute dtype {name}",
-                                  f"use --expert-dtype auto, or --dtype {expert_dtype} with --expert-dtype {expert_dtype}")
+        if expert_dtype in (q.value for q in ExpertQuant):
+            raise OptionError(f"--expert-dtype {expert_dtype} is not supported for gpt_oss experts",
+                              "use --expert-dtype auto: GPT-OSS experts stay MXFP4 (4.25 bits) and move packed")
+        expert_quant(expert_dtype, dtype, group_size)  # validates the float names and --group-size
+        if expert_dtype != "auto":  # the compute dtype: MXFP4 is dequantised once at load
             return GptOssLayout(**shape)
         if self.is_mxfp4():
             if shape["hidden"] % mxfp4.BLOCK or shape["intermediate"] % mxfp4.BLOCK:

@@ -25,9 +25,10 @@ def _header(rep: dict) -> list[str]:
     """The run's context in short lines (each fits 80 columns for a model id of up to ~35 chars)."""
     m, link, cache = rep["model"], rep["link"], rep["cache"]
     emu = f" (emulated {link['emulated_gbps']:g})" if link["emulated_gbps"] else ""
-    return [f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}, "
-            f"{m['expert_bytes'] / 1e6:.3f} MB/expert",
-            f"cache {cache['slots']} slots · {rep['hardware']['device']} ({rep['hardware']['device_name']}) · "
+    return [f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}",
+            f"{m['expert_bytes'] / 1e6:.3f} MB/expert ({m.get('expert_format', m['dtype'])}) · "
+            f"cache {cache['slots']} slots",
+            f"{rep['hardware']['device']} ({rep['hardware']['device_name']}) · "
             f"link {link['measured_gbps']:.3g} GB/s{emu}",
             f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × "
             f"{rep['trace']['gen']} tokens"]

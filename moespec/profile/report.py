@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moespec.errors import DataError, OutputError
 from moespec.fsutil import atomic_path
+from moespec.models.quant_layout import expert_format
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate
 from moespec.runtime.stats import LayerStats
@@ -54,7 +55,8 @@ def describe(om, model_id: str) -> dict:
                   "layers": int(text_cfg.num_hidden_layers), "moe_layers": len(om.store.moe_layers),
                   "experts": om.store.num_experts, "top_k": om.adapter.top_k(),
                   "hidden": om.store.layout.hidden, "expert_intermediate": om.store.layout.intermediate,
-                  "expert_bytes": om.store.expert_bytes, "dtype": str(om.dtype).replace("torch.", "")},
+                  "expert_bytes": om.store.expert_bytes, "dtype": str(om.dtype).replace("torch.", ""),
+                  "expert_format": expert_format(om.store.layout, om.dtype)},
         "cache": {"slots": om.cache.num_slots, "bytes": om.cache.num_slots * om.store.expert_bytes},
     }
 

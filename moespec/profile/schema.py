@@ -72,7 +72,10 @@ REPORT_SCHEMA = {
                           "torch_threads": _INT}),
         "model": _obj({"id": _STR, "config_hash": _STR, "model_type": _STR, "layers": _INT, "moe_layers": _INT,
                        "experts": _INT, "top_k": _INT, "hidden": _INT, "expert_intermediate": _INT,
-                       "expert_bytes": _INT, "dtype": _STR}),
+                       "expert_bytes": _INT, "dtype": _STR, "expert_format": _STR},
+                      # expert_format (int4-g64, mxfp4, float32...) came later: older reports lack it
+                      required=["id", "config_hash", "model_type", "layers", "moe_layers", "experts", "top_k",
+                                "hidden", "expert_intermediate", "expert_bytes", "dtype"]),
         "options": {"type": "object"},
         "cache": _obj({"slots": _INT, "bytes": _INT}),
         "link": _obj({"measured_gbps": _NUM, "emulated_gbps": _NUM_OR_NULL, "pinned": {"type": "boolean"},

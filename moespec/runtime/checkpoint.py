@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -45,8 +45,11 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_tensors(files: list[Path], skip: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """Yield (name, tensor, file) for every tensor of every shard, one at a time.
+
+    Tensors whose name ``skip`` accepts are not read (e.g. experts already loaded from a cache).
 
     Raises:
         CheckpointError: a file that is truncated or corrupt (names the file).
@@ -62,6 +65,8 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
         with handle:
             size = path.stat().st_size
             for name in handle.keys():
+                if skip is not None and skip(name):
+                    continue
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as exc:

@@ -23,6 +23,7 @@ from moespec.runtime.cache import ExpertCache
 from moespec.runtime.checkpoint import iter_tensors, safetensors_files
 from moespec.runtime.host_memory import check_host_memory
 from moespec.runtime.moe_layer import MoeLayerRunner
+from moespec.runtime.quant_store_cache import QuantStoreCache
 from moespec.runtime.stats import NullRecorder, StatsRecorder
 from moespec.runtime.store import ExpertStore
 from moespec.runtime.transfer import make_transfer_engine
@@ -237,7 +238,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     model.eval()
     moe_layers = _moe_layers(model, adapter)
 
-    layout = adapter.layout(dtype, cfg.expert_dtype)
+    layout = adapter.layout(dtype, cfg.expert_dtype, cfg.group_size)
     store_bytes = ExpertStore.bytes_needed(len(moe_layers), adapter.num_experts(), layout, dtype)
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
@@ -258,7 +259,12 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
         refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
 
-    _load_weights(model, adapter, store, files, device, dtype)
+    # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
+    saved = QuantStoreCache.for_store(path, files, store)  # None when the layout is not quantised
+    from_cache = saved is not None and saved.load_into(store)
+    _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
+    if saved is not None and not from_cache:
+        saved.save(store)
     runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
     return OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg)
 
@@ -271,13 +277,14 @@ def _residual_hook(runner: MoeLayerRunner, layer: int):
 
 
 def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, files: list[Path],
-                  device: torch.device, dtype: torch.dtype) -> None:
+                  device: torch.device, dtype: torch.dtype, read_experts: bool = True) -> None:
     from accelerate.utils import set_module_tensor_to_device
 
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     convert = adapter.expert_converter(store.layout)
-    for name, tensor, file in iter_tensors(files):
+    skip = None if read_experts else (lambda name: adapter.expert_key(name) is not None)
+    for name, tensor, file in iter_tensors(files, skip):
         key = adapter.expert_key(name)
         if key is not None:
             for k, t, n in convert(key, tensor, name):
@@ -300,7 +307,7 @@ def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, fil
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}",
                               "the download is incomplete or the config does not match the weights")
-    gaps = store.missing()
+    gaps = store.missing() if read_experts else []
     if gaps:
         raise CheckpointError(f"the checkpoint lacks {len(gaps)} expert tensor(s), e.g. {', '.join(gaps[:3])}",
                               "the download is incomplete or the config does not match the weights")

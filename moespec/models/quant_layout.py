@@ -1,0 +1,201 @@
+"""QuantLayout: one SwiGLU expert quantised to int8 / int4 in ONE uint8 row, and the load-time converter.
+
+Shapes: t tokens, H hidden, I expert intermediate, g group size, Ggu = 2I*H/g and Gd = H*I/g groups.
+
+Row (bytes): [gate_up scales (Ggu float16) | down scales (Gd float16) | gate_up zeros (Ggu) |
+down zeros (Gd) | gate_up codes (2I*H*bits/8) | down codes (H*I*bits/8) | pad to 16]. Scales come
+first so their float16 views stay aligned in every row. gate_up is transformers' [2I, H] "halves"
+(gate rows, then up rows); as g divides I*H, the first half of each gate_up part is exactly the gate
+projection's, so per-expert checkpoints (gate, up, down) and fused ones land in the same places.
+
+The row is what moves: a copy moves codes, scales and zeros together, and :meth:`QuantLayout.forward`
+dequantises on the row's device after the copy (on the host for a host row), as MXFP4 does for GPT-OSS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moespec.errors import CheckpointError
+from moespec.models.layout import ExpertLayout
+from moespec.models.quant import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, dequantize, quantize
+
+_KINDS = ("scales", "zeros", "codes")
+_PROJ = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class QuantLayout(ExpertLayout):
+    """SwiGLU expert with group-wise int8/int4 weights (Mixtral, Qwen, OLMoE, DeepSeek, GLM).
+
+    Attributes:
+        bits: 8 or 4.
+        group_size: g, weights per scale/zero (must divide I*H).
+
+    Raises:
+        OptionError: bits not 4/8, or g not dividing I*H (names --group-size).
+    """
+
+    bits: int = 4
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        self.spec.check_divides(self.hidden * self.intermediate,
+                                f"an expert projection (I*H = {self.intermediate}*{self.hidden})")
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The quantisation settings (validated on construction)."""
+        return QuantSpec(self.bits, self.group_size)
+
+    # --- parts ---------------------------------------------------------------------------
+    def part_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parts in bytes, in packing order (see the module docstring)."""
+        spec, h, i = self.spec, self.hidden, self.intermediate
+        gu, d = 2 * i * h, h * i
+        parts = {"gate_up_scales": (gu // spec.group_size * SCALE_DTYPE.itemsize,),
+                 "down_scales": (d // spec.group_size * SCALE_DTYPE.itemsize,),
+                 "gate_up_zeros": (gu // spec.group_size,), "down_zeros": (d // spec.group_size,),
+                 "gate_up_codes": (spec.code_bytes(gu),), "down_codes": (spec.code_bytes(d),)}
+        used = sum(s[0] for s in parts.values())
+        if used % 16:  # every row starts 16-byte aligned, so every row's float16 scale views are aligned
+            parts["pad"] = (16 - used % 16,)
+        return parts
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8
+
+    def views(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        v = self.views_with_pad(row)
+        v.pop("pad", None)
+        return v
+
+    def views_with_pad(self, row: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every part's view, the padding included (the converter zeroes it: cached files are deterministic)."""
+        return super().views(row)
+
+    def unpack(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [2I, H] and down [H, I] dequantised to float32 (new tensors, not views)."""
+        w = self.weights(row, torch.float32)
+        return w["gate_up"], w["down"]
+
+    def weights(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Dequantised on the row's device: gate_up [2I, H] and down [H, I] in ``dtype``."""
+        v, h, i = self.views(row), self.hidden, self.intermediate
+        out = {}
+        for name, shape in (("gate_up", (2 * i, h)), ("down", (h, i))):
+            out[name] = dequantize(v[f"{name}_codes"], v[f"{name}_scales"].view(SCALE_DTYPE), v[f"{name}_zeros"],
+                                   self.spec, shape, dtype)
+        return out
+
+    # --- checkpoint parts -------------------------------------------------------------------
+    @property
+    def disk_parts(self) -> tuple[str, ...]:
+        """Every projection's scales, zeros and codes ("gate.codes", ...): what the converter emits."""
+        return tuple(f"{p}.{k}" for p in _PROJ for k in _KINDS)
+
+    def disk_view(self, row: torch.Tensor, part: str) -> torch.Tensor | None:
+        """Where a converted part ("gate.scales", "down.codes", ...) lands: a byte range of the row."""
+        if part == "pad":
+            return self.views_with_pad(row).get("pad")
+        proj, _, kind = part.partition(".")
+        if proj not in _PROJ or kind not in _KINDS:
+            return None
+        v = self.views(row)
+        if proj == "down":
+            return v[f"down_{kind}"]
+        whole = v[f"gate_up_{kind}"]
+        half = whole.numel() // 2
+        return whole[:half] if proj == "gate" else whole[half:]
+
+    def covers(self, part: str) -> tuple[str, ...]:
+        return (part,)
+
+    def converter(self):
+        """A callable (key, tensor, name) -> [(key, tensor, name), ...] that quantises float expert parts.
+
+        Each checkpoint tensor (per expert [I, H] / [H, I], or fused [E, ...]) is quantised as it
+        streams in and leaves as uint8 parts; the float tensor is dropped right after, so the whole
+        model is never held in full precision.
+
+        Raises:
+            CheckpointError: a tensor whose shape does not match the config (names both shapes).
+        """
+        from moespec.models.base import ExpertKey
+
+        h, i = self.hidden, self.intermediate
+
+        def emit(layer: int, expert: int, proj: str, w: torch.Tensor, name: str):
+            q = quantize(w, self.spec)
+            parts = {"scales": q.scales.view(torch.uint8), "zeros": q.zeros, "codes": q.codes}
+            return [(ExpertKey(layer, expert, f"{proj}.{k}"), t, name) for k, t in parts.items()]
+
+        def convert(key, tensor: torch.Tensor, name: str):
+            if not tensor.is_floating_point() or key.part not in ("gate", "up", "down", "gate_up"):
+                return [(key, tensor, name)]  # the store names what has no place in this layout
+            experts = [(key.expert, tensor)] if key.expert is not None else list(enumerate(tensor))
+            want = {"gate_up": (2 * i, h), "down": (h, i)}.get(key.part, (i, h))
+            out = []
+            for e, w in experts:
+                if tuple(w.shape) != want:
+                    shape = want if key.expert is not None else ("E", *want)
+                    raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape}",
+                                          "the config does not match the weights")
+                if key.part == "gate_up":
+                    out += emit(key.layer, e, "gate", w[:i], name) + emit(key.layer, e, "up", w[i:], name)
+                else:
+                    out += emit(key.layer, e, key.part, w, name)
+                pad = self.part_shapes().get("pad")
+                if key.part == "down" and pad:  # the store buffer is uninitialised memory
+                    out.append((ExpertKey(key.layer, e, "pad"), torch.zeros(pad, dtype=torch.uint8), name))
+            return out
+
+        return convert
+
+    # --- compute ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
+        """Raw output [t, H] for tokens x [t, H], computed where ``row`` is (device slot or host row).
+
+        The weights are dequantised there; for a host row with device tokens, the tokens go to the
+        host and only the [t, H] output comes back.
+        """
+        w = self.weights(row, x.dtype)
+        xr = x.to(row.device)  # no-op when both are on the same device
+        gate, up = F.linear(xr, w["gate_up"]).chunk(2, dim=-1)  # [t, I] each
+        return F.linear(act(gate) * up, w["down"]).to(x.device)  # [t, H]
+
+
+def expert_format(layout: ExpertLayout, dtype: torch.dtype) -> str:
+    """How a layout stores experts, for reports: "int4-g64", "int8-g64", "mxfp4" or the dtype name."""
+    if isinstance(layout, QuantLayout):
+        return f"int{layout.bits}-g{layout.group_size}"
+    if layout.storage_dtype(dtype) == torch.uint8:
+        return "mxfp4"  # the only other packed layout (GPT-OSS)
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def fake_quantize_experts_(model: torch.nn.Module, layout: QuantLayout) -> int:
+    """Reference for ``exact`` with int8/int4 experts: replace, in place, every fused expert weight of a
+    plain transformers model (gate_up_proj [E, 2I, H], down_proj [E, H, I]) by its quantised-then-
+    dequantised value, projection by projection as the converter does (gate and up separately).
+
+    Returns the number of expert projections changed. The model then computes what moespec's
+    QuantLayout rows compute, so its logits are what `exact` must reproduce.
+    """
+    from moespec.models.quant import fake_quantize
+
+    spec, i, changed = layout.spec, layout.intermediate, 0
+    for module in model.modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
+            continue
+        for e in range(gate_up.shape[0]):
+            gate_up[e, :i] = fake_quantize(gate_up[e, :i], spec)  # [I, H]
+            gate_up[e, i:] = fake_quantize(gate_up[e, i:], spec)  # [I, H]
+            down[e] = fake_quantize(down[e], spec)  # [H, I]
+            changed += 3
+    return changed

@@ -1,0 +1,117 @@
+"""QuantStoreCache: the quantised expert store kept on disk, so the second start does not quantise again.
+
+Shapes: M MoE layers, E experts, P bytes per packed expert row (QuantLayout.numel).
+
+File: ``<moespec home>/experts/<model id>/int4-g64.safetensors`` (the model id as calibration files
+use it), one tensor ``experts`` [M, E, P] uint8 - the store's buffer as is - and a JSON header entry
+``moespec_quant_store`` with the settings (format version, bits, group size, H, I, E, MoE layers)
+and the checkpoint's fingerprint: for config.json and every shard, its name, size, mtime and the
+sha256 of the safetensors header (tensor names, dtypes, shapes, offsets). Reading the header costs
+a few kB per shard, never the weights.
+
+A file whose header differs in anything (checkpoint changed, other settings, older format) or that
+cannot be read (truncated, corrupt) is never used: the store is quantised again from the checkpoint
+and the file rewritten atomically (moespec.fsutil). Wrong weights need a checkpoint rewritten with
+the same sizes, mtimes and headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from moespec.errors import OutputError
+from moespec.models.quant_layout import QuantLayout
+from moespec.runtime.store import ExpertStore
+
+FORMAT = 1  # bump when the row layout or the quantisation arithmetic changes
+META_KEY = "moespec_quant_store"
+TENSOR = "experts"
+
+
+def checkpoint_fingerprint(folder: Path, files: list[Path]) -> list[list]:
+    """[name, bytes, mtime_ns, sha256 of the header] of config.json and every safetensors shard."""
+    out = []
+    for path in [Path(folder) / "config.json", *files]:
+        st = path.stat()
+        with open(path, "rb") as fh:
+            if path.suffix == ".safetensors":
+                raw = fh.read(8)
+                n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+                head = fh.read(min(n, 100_000_000))  # the header names every tensor; bounded if corrupt
+            else:
+                head = fh.read()
+        out.append([path.name, st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()])
+    return out
+
+
+def cache_path(model_folder: Path, layout: QuantLayout) -> Path:
+    """Where the quantised store of ``model_folder`` with ``layout``'s settings lives."""
+    from moespec.calibrate.locate import model_key
+    from moespec.hub.artifacts import sanitize_model_id
+    from moespec.paths import moespec_home
+
+    name = f"int{layout.bits}-g{layout.group_size}.safetensors"
+    return moespec_home() / "experts" / sanitize_model_id(model_key(model_folder)) / name
+
+
+@dataclass(frozen=True)
+class QuantStoreCache:
+    """The cached quantised store of one model and one quantisation setting.
+
+    Attributes:
+        path: the cache file.
+        meta: the header it must carry to be used (settings + checkpoint fingerprint).
+    """
+
+    path: Path
+    meta: dict
+
+    @classmethod
+    def for_store(cls, model_folder: Path, files: list[Path], store: ExpertStore) -> QuantStoreCache | None:
+        """The cache for ``store`` (None when its layout is not quantised: nothing to cache)."""
+        layout = store.layout
+        if not isinstance(layout, QuantLayout):
+            return None
+        meta = {"format": FORMAT, "layout": type(layout).__name__, "bits": layout.bits,
+                "group_size": layout.group_size, "hidden": layout.hidden, "intermediate": layout.intermediate,
+                "row_bytes": layout.numel, "num_experts": store.num_experts, "moe_layers": store.moe_layers,
+                "checkpoint": checkpoint_fingerprint(model_folder, files)}
+        return cls(cache_path(model_folder, layout), json.loads(json.dumps(meta)))
+
+    def load_into(self, store: ExpertStore) -> bool:
+        """Fill ``store.buffer`` from the file, one MoE layer at a time; False when it is absent or stale.
+
+        A stale or unreadable file is left for :meth:`save` to replace; nothing partial is used (the
+        caller quantises the whole store again when this returns False).
+        """
+        if not self.path.is_file():
+            return False
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt", device="cpu") as fh:
+                meta = json.loads((fh.metadata() or {}).get(META_KEY, "null"))
+                if meta != self.meta:
+                    return False
+                rows = fh.get_slice(TENSOR)
+                if tuple(rows.get_shape()) != tuple(store.buffer.shape) or rows.get_dtype() != "U8":
+                    return False
+                for m in range(store.buffer.shape[0]):  # a layer at a time: no second copy of the store
+                    store.buffer[m].copy_(rows[m])
+        except Exception:  # safetensors raises its own errors for truncated/corrupt files: rebuild
+            return False
+        return True
+
+    def save(self, store: ExpertStore) -> bool:
+        """Write ``store.buffer`` atomically; False (and nothing written) when moespec's home is not writable."""
+        from moespec.fsutil import save_safetensors_atomic
+
+        try:
+            save_safetensors_atomic(self.path, {TENSOR: store.buffer}, self.meta, META_KEY)
+        except OutputError:
+            return False
+        return True

@@ -1,0 +1,145 @@
+"""Group-wise int8/int4 quantisation: the arithmetic, the packed row, sizes and bad settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moespec.errors import OptionError
+from moespec.hub.sizes import model_sizes
+from moespec.models.quant import QuantSpec, dequantize, dequantize_reference, pack, quantize, unpack
+from moespec.models.quant_layout import QuantLayout
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fast_dequantize_is_bit_for_bit_torchao(bits):
+    w = torch.randn(40, 48, generator=torch.Generator().manual_seed(0)) * 0.05
+    spec = QuantSpec(bits, 32)
+    q = quantize(w, spec)
+    fast = dequantize(q.codes, q.scales, q.zeros, spec, (40, 48), torch.float32)
+    assert torch.equal(fast, dequantize_reference(q, spec, (40, 48), torch.float32))
+    # rounding costs half a step of the group's scale; the rounded zero point can shift the grid by
+    # another half step at the ends of the range
+    step = q.scales.float().repeat_interleave(32).view(40, 48)
+    err = (fast - w).abs() / step
+    assert float(err.max()) <= 1.0 and float(err.mean()) <= 0.3
+    assert q.codes.numel() == 40 * 48 * bits // 8 and q.scales.dtype == torch.float16 and q.zeros.dtype == torch.uint8
+
+
+def test_int4_codes_pack_two_per_byte_low_nibble_first():
+    codes = torch.tensor([1, 2, 15, 0], dtype=torch.uint8)
+    packed = pack(codes, 4)
+    assert packed.tolist() == [1 | 2 << 4, 15]
+    assert torch.equal(unpack(packed, 4), codes)
+
+
+def test_groups_are_consecutive_weights_across_rows():
+    """g divides R*C, not C: a [3, 8] weight with g = 6 has 4 groups spanning row ends."""
+    w = torch.arange(24, dtype=torch.float32).view(3, 8)
+    q = quantize(w, QuantSpec(8, 6))
+    # range [0, max] of each group of 6 consecutive values (zero is always representable)
+    want = torch.tensor([5.0, 11.0, 17.0, 23.0]) / 255
+    assert torch.allclose(q.scales.float(), want, rtol=1e-3)
+    back = dequantize(q.codes, q.scales, q.zeros, QuantSpec(8, 6), (3, 8), torch.float32)
+    assert torch.allclose(back, w, atol=0.05)
+
+
+def test_row_holds_codes_scales_and_zeros_of_one_expert():
+    h, i, g = 32, 16, 64
+    layout = QuantLayout(hidden=h, intermediate=i, bits=4, group_size=g)
+    used = 3 * (h * i // 2 + h * i // g * 3)  # codes + (fp16 scale, uint8 zero) per group, 3 projections
+    assert layout.numel == used + (-used) % 16 and layout.numel % 16 == 0
+    gen = torch.Generator().manual_seed(1)
+    gate, up, down = (torch.randn(*s, generator=gen) for s in ((i, h), (i, h), (h, i)))
+    row = torch.zeros(layout.numel, dtype=torch.uint8)
+    convert = layout.converter()
+    from moespec.models.base import ExpertKey
+
+    for part, w in (("gate", gate), ("up", up), ("down", down)):
+        for key, t, _ in convert(ExpertKey(0, 0, part), w, part):
+            layout.disk_view(row, key.part).copy_(t)
+    got = layout.weights(row, torch.float32)
+    spec = layout.spec
+    fq = {n: dequantize(*(lambda q: (q.codes, q.scales, q.zeros))(quantize(w, spec)), spec, tuple(w.shape),
+                        torch.float32) for n, w in (("gate", gate), ("up", up), ("down", down))}
+    assert torch.equal(got["gate_up"], torch.cat([fq["gate"], fq["up"]]))
+    assert torch.equal(got["down"], fq["down"])
+    x = torch.randn(3, h, generator=gen)
+    want = torch.nn.functional.linear(torch.nn.functional.silu(x @ fq["gate"].T) * (x @ fq["up"].T), fq["down"])
+    assert torch.allclose(layout.forward(x, row, torch.nn.functional.silu), want, atol=1e-6)
+
+
+def test_fused_gate_up_checkpoint_lands_where_per_expert_parts_do():
+    from moespec.models.base import ExpertKey
+
+    layout = QuantLayout(hidden=32, intermediate=16, bits=8, group_size=32)
+    fused = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(2))  # [E, 2I, H]
+    rows = torch.zeros(2, 2, layout.numel, dtype=torch.uint8)
+    convert = layout.converter()
+    for key, t, _ in convert(ExpertKey(0, None, "gate_up"), fused, "fused"):
+        layout.disk_view(rows[0, key.expert], key.part).copy_(t)
+    for e in range(2):
+        for part, w in (("gate", fused[e, :16]), ("up", fused[e, 16:])):
+            for key, t, _ in convert(ExpertKey(0, e, part), w, part):
+                layout.disk_view(rows[1, e], key.part).copy_(t)
+    assert torch.equal(rows[0, :, :-16], rows[1, :, :-16])  # everything but the never-written down part
+
+
+@pytest.mark.parametrize("group_size,match", [(24, "--group-size 24 does not divide the 512 weights"),
+                                              (7, "--group-size 7 must be an even number")])
+def test_bad_group_size_is_an_option_error_naming_the_flag(group_size, match):
+    with pytest.raises(OptionError, match=match) as info:
+        QuantLayout(hidden=32, intermediate=16, bits=4, group_size=group_size)
+    assert "--group-size" in info.value.hint or "--group-size" in info.value.message
+
+
+@pytest.mark.parametrize("dtype,bits,ceiling", [("int8", 8, 0.27), ("int4", 4, 0.15)])
+def test_sizes_count_quantised_experts(dtype, bits, ceiling):
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
+           "moe_intermediate_size": 768, "num_experts_per_tok": 8, "dtype": "bfloat16",
+           "intermediate_size": 6144}
+    s, f32 = model_sizes(cfg, dtype), model_sizes({**cfg, "dtype": "float32"})
+    layout = QuantLayout(hidden=2048, intermediate=768, bits=bits, group_size=64)
+    assert s.expert_bytes == layout.numel  # what the runtime stores and moves
+    assert s.expert_bytes <= ceiling * f32.expert_bytes
+    assert s.zero_cache_h2d_bytes_per_token == 48 * 8 * layout.numel
+    assert s.expert_format == dtype and s.group_size == 64
+    assert model_sizes(cfg, dtype, 128).expert_bytes < s.expert_bytes
+
+
+def test_sizes_refuse_int4_for_gpt_oss():
+    cfg = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(OptionError, match="not supported for gpt_oss"):
+        model_sizes(cfg, "int4")
+
+
+def test_default_group_size_bytes_meet_the_issue_ratios():
+    """Default model shape (H=576, I=80): int8 <= 0.27x and int4 <= 0.15x the float32 bytes."""
+    f32 = 3 * 576 * 80 * 4
+    assert QuantLayout(hidden=576, intermediate=80, bits=8).numel <= 0.27 * f32
+    assert QuantLayout(hidden=576, intermediate=80, bits=4).numel <= 0.15 * f32
+    assert math.gcd(576 * 80, 64) == 64
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_dequantised_on_the_device_equals_the_host(bits):
+    """A row copied to the device computes there; a host row computes on the host for device tokens."""
+    layout = QuantLayout(hidden=64, intermediate=32, bits=bits, group_size=64)
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randint(0, 256, (layout.numel,), dtype=torch.uint8, generator=gen)
+    row[:layout.part_shapes()["gate_up_scales"][0] + layout.part_shapes()["down_scales"][0]] = 0
+    for name in ("gate_up_scales", "down_scales"):  # finite scales
+        layout.views(row)[name].view(torch.float16).fill_(0.01)
+    x = torch.randn(3, 64, generator=gen)
+    act = torch.nn.functional.silu
+    host = layout.forward(x, row, act)
+    dev = layout.forward(x.cuda(), row.cuda(), act)
+    assert torch.allclose(dev.cpu(), host, atol=1e-5)
+    mixed = layout.forward(x.cuda(), row, act)  # host row, device tokens: computed on the host
+    assert mixed.device.type == "cuda" and torch.equal(mixed.cpu(), host)
