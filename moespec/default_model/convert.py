@@ -134,7 +134,7 @@ def moe_config(dense: LlamaForCausalLM, layout: MoeLayout) -> Qwen2MoeConfig:
     )
 
 
-def _copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None:
+def copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None:
     """Copy embeddings, final norm, attention and norms (everything but the FFNs)."""
     moe.model.embed_tokens.weight.copy_(dense.model.embed_tokens.weight)
     moe.model.norm.weight.copy_(dense.model.norm.weight)
@@ -210,19 +210,78 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     return report, output
 
 
+ATTENTION_WINDOWS = 8  # calibration windows per attention call: bounds SDPA's [n, heads, S, S] scores
+
+
+def moe_block(config: Qwen2MoeConfig) -> torch.nn.Module:
+    """An empty Qwen2-MoE sparse block of ``config`` (float32), filled by :func:`convert_layer`."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    return Qwen2MoeSparseMoeBlock(config).eval()
+
+
+def calibration_inputs(dense: LlamaForCausalLM, calib_ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """Layer 0's input and the rotary embeddings of the calibration windows, in WORK_DTYPE.
+
+    Args:
+        dense: the dense model (float32).
+        calib_ids: [N, S] int64 calibration token ids.
+
+    Returns:
+        (h [N, S, H] WORK_DTYPE embeddings, (cos, sin) each [1, S, head_dim] WORK_DTYPE: every
+        window starts at position 0, so one row serves all of them).
+    """
+    h = dense.model.embed_tokens(calib_ids).to(WORK_DTYPE)  # [N, S, H]
+    position_ids = torch.arange(calib_ids.shape[1])[None]  # [1, S]
+    rope = tuple(t.to(WORK_DTYPE) for t in dense.model.rotary_emb(h, position_ids))
+    return h, rope
+
+
+@torch.no_grad()
+def convert_layer(dense_layer: torch.nn.Module, block: torch.nn.Module, h: torch.Tensor, rope: tuple,
+                  layout: MoeLayout) -> tuple[LayerReport, torch.Tensor]:
+    """Convert one decoder layer's FFN into ``block`` and advance the calibration states through it.
+
+    Args:
+        dense_layer: the dense LlamaDecoderLayer (float32; copied to WORK_DTYPE here, one layer at
+            a time, so the whole model never exists in float64).
+        block: the layer's Qwen2MoeSparseMoeBlock (float32), filled in place.
+        h: [N, S, H] WORK_DTYPE hidden states entering the layer (through the converted layers before it).
+        rope: (cos, sin) from :func:`calibration_inputs`.
+        layout: the expert layout and fitting settings.
+
+    Returns:
+        (the layer's report with ``layer`` = -1 and ``seconds`` = 0 for the caller to fill,
+        h after the converted layer: [N, S, H] WORK_DTYPE).
+    """
+    work = copy.deepcopy(dense_layer).to(WORK_DTYPE)
+    r = torch.empty_like(h)  # [N, S, H]
+    for start in range(0, h.shape[0], ATTENTION_WINDOWS):
+        part = h[start:start + ATTENTION_WINDOWS]  # [n, S, H]
+        cos, sin = (t.expand(part.shape[0], -1, -1) for t in rope)
+        # attention_mask=None: SDPA applies the causal mask itself for S > 1.
+        attn, _ = work.self_attn(work.input_layernorm(part), position_embeddings=(cos, sin), attention_mask=None)
+        r[start:start + ATTENTION_WINDOWS] = part + attn
+    s = work.post_attention_layernorm(r)  # [N, S, H]
+    report, out = _convert_ffn(work.mlp, block, s.reshape(-1, s.shape[-1]), layout)
+    del s
+    return report, r.add_(out.reshape(r.shape))  # [N, S, H]: what the converted block computes
+
+
 @torch.no_grad()
 def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
             on_layer: Callable[[LayerReport], None] | None = None) -> tuple[Qwen2MoeForCausalLM, ConversionReport]:
     """Build the Qwen2-MoE model from ``dense`` (float32, CPU), fitting routers on ``calib_ids``.
 
-    Every fit and the calibration forward run in float64 on a copy of ``dense``; only the written
-    weights are float32. Why: float32 results of CPU kernels differ between runs in the last bits
-    (measured: the same router fit gave two different weights in repeated runs, depending on
-    kernel paths torch does not pin), and near-tied router logits turn such bits into different
-    expert choices, so the float32 pipeline built a different model each time (held-out
-    perplexity 31.1 vs 31.6 for one recipe). In float64 two runs agree to ~1e-12 (relative
-    layer errors measured equal to 12 digits), so two builds differ at most in the last float32
-    bit of a few weights and choose the same experts: reproducible, though not bit for bit.
+    Every fit and the calibration forward run in float64 (WORK_DTYPE) on one layer's copy at a
+    time; only the written weights are float32. Why: float32 results of CPU kernels differ between
+    runs in the last bits (measured: the same router fit gave two different weights in repeated
+    runs, depending on kernel paths torch does not pin), and near-tied router logits turn such bits
+    into different expert choices, so the float32 pipeline built a different model each time
+    (held-out perplexity 31.1 vs 31.6 for one recipe). In float64 two runs agree to ~1e-12
+    (relative layer errors measured equal to 12 digits), so two builds differ at most in the last
+    float32 bit of a few weights and choose the same experts: reproducible, though not bit for bit.
+    The default-model build runs the same :func:`convert_layer` steps with a checkpoint after each.
 
     Args:
         dense: the dense model, float32, eval mode.
@@ -236,22 +295,12 @@ def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
     start = time.perf_counter()
     torch.manual_seed(layout.seed)
     moe = Qwen2MoeForCausalLM(moe_config(dense, layout)).eval()
-    _copy_dense_parts(dense, moe)
+    copy_dense_parts(dense, moe)
     report = ConversionReport()
-
-    work = copy.deepcopy(dense).to(WORK_DTYPE)  # attention and norms equal the MoE model's (copied above)
-    n_seq, seq_len = calib_ids.shape
-    h = work.model.embed_tokens(calib_ids)  # [N, S, H] float64
-    position_ids = torch.arange(seq_len)[None].expand(n_seq, -1)  # [N, S]
-    rope = work.model.rotary_emb(h, position_ids)  # (cos, sin), each [N, S, head_dim]
-    for index, (d_layer, m_layer) in enumerate(zip(work.model.layers, moe.model.layers)):
+    h, rope = calibration_inputs(dense, calib_ids)  # [N, S, H]
+    for index, (d_layer, m_layer) in enumerate(zip(dense.model.layers, moe.model.layers)):
         t0 = time.perf_counter()
-        # attention_mask=None: SDPA applies the causal mask itself for S > 1.
-        attn, _ = d_layer.self_attn(d_layer.input_layernorm(h), position_embeddings=rope, attention_mask=None)
-        r = h + attn  # [N, S, H]
-        s = d_layer.post_attention_layernorm(r)  # [N, S, H]
-        layer_report, out = _convert_ffn(d_layer.mlp, m_layer.mlp, s.reshape(-1, s.shape[-1]), layout)
-        h = r + out.reshape(r.shape)  # [N, S, H]: what the converted block computes, in float64
+        layer_report, h = convert_layer(d_layer, m_layer.mlp, h, rope, layout)
         layer_report.layer, layer_report.seconds = index, time.perf_counter() - t0
         report.layers.append(layer_report)
         if on_layer is not None:
