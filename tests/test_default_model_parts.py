@@ -283,10 +283,23 @@ def test_interrupted_build_resumes_at_the_next_layer_and_equals_an_uninterrupted
     calls.clear()
     monkeypatch.setattr(convert_mod, "convert_layer", real)
     monkeypatch.setattr(convert_mod, "convert_layer", lambda d, *a: calls.append(d) or real(d, *a))
-    got, report = convert_resumable(dense, calib, layout, state, console)
+    got, report, fits = convert_resumable(dense, calib, layout, state, console)
     assert calls == [dense.model.layers[2]]  # layers 0 and 1 came from their checkpoints
     assert [r.layer for r in report.layers] == [0, 1, 2]
     for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    # A build on recorded fits (fits.py) refits only the down projections and gets the same model.
+    from moespec.default_model import fits as fits_mod
+
+    fits_mod.save_fits(tmp_path / "fits.safetensors", fits, "digest-a")
+    monkeypatch.setattr(fits_mod, "fits_path", lambda: tmp_path / "fits.safetensors")
+    assert fits_mod.recorded_fits("digest-other", 3) is None and fits_mod.recorded_fits("digest-a", 4) is None
+    recorded = fits_mod.recorded_fits("digest-a", 3)
+    monkeypatch.setattr(convert_mod, "fit_layer", lambda *a: pytest.fail("the recorded fits must be used"))
+    again, _, _ = convert_resumable(dense, calib, layout, LayerCheckpoints(tmp_path / "s2", "digest-a"), console,
+                                    recorded)
+    for (name, a), (_, b) in zip(want.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
 
     calls.clear()

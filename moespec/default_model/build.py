@@ -72,8 +72,11 @@ def is_complete(folder: Path) -> bool:
         return False
 
 
-def ensure_default_model(console: Console | None = None, rebuild: bool = False) -> Path:
+def ensure_default_model(console: Console | None = None, rebuild: bool = False, full: bool = False) -> Path:
     """The folder of the default model, built on first use (or when ``rebuild``).
+
+    ``full`` (with ``rebuild``) runs the full recipe instead of using the recorded fits
+    (fits.py) and writes the fits it made into the folder (``recipe_fits.safetensors``).
 
     Returns:
         A standard transformers checkpoint folder (Qwen2MoeForCausalLM, config.json,
@@ -94,7 +97,7 @@ def ensure_default_model(console: Console | None = None, rebuild: bool = False) 
             return folder
         if folder.exists() and not rebuild:
             console.print(f"[yellow]{folder} is incomplete or from another recipe; building it again[/]")
-        _build(folder, console)
+        _build(folder, console, full)
     return folder
 
 
@@ -136,7 +139,7 @@ def _progress(console: Console, label: str) -> Progress:
                     TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
 
 
-def _build(folder: Path, console: Console) -> None:
+def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
                   f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
@@ -154,7 +157,7 @@ def _build(folder: Path, console: Console) -> None:
     torch.set_flush_denormal(True)
     try:
         with keep_freed_memory():  # fewer page faults: the conversion ~20% faster (heap.py)
-            _build_into(tmp, console)
+            _build_into(tmp, console, full)
         _move_into_place(tmp, folder)
         shutil.rmtree(state_dir(), ignore_errors=True)  # the checkpoints and the extracted GGUF
     except OSError as exc:
@@ -186,19 +189,20 @@ def _move_into_place(tmp: Path, folder: Path) -> None:
 
 
 @torch.no_grad()
-def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Console):
+def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Console, fits=None):
     """Convert every layer of ``dense``, resuming from and adding to ``state``'s checkpoints.
 
     Args:
         dense: the dense LlamaForCausalLM (float32).
         calib: [N, S] int64 calibration token ids.
         layout: convert.MoeLayout.
-        state: checkpoints.LayerCheckpoints, already opened.
+        state: checkpoints.LayerCheckpoints (opened here).
         console: where the layer bar (with ETA) is drawn.
+        fits: the recorded fits of every layer (fits.recorded_fits), or None: the full recipe.
 
     Returns:
         (the converted Qwen2MoeForCausalLM, float32, eval mode; convert.ConversionReport of every
-        layer, resumed ones included).
+        layer, resumed ones included; the list of convert.LayerFits used, one per layer).
     """
     from transformers import Qwen2MoeForCausalLM
 
@@ -221,29 +225,31 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
             for index in range(first, n_layers):
                 t0 = time.perf_counter()
                 block = moe_block(config)
-                report, h = convert_layer(dense.model.layers[index], block, h, rope, layout)
+                report, h, used = convert_layer(dense.model.layers[index], block, h, rope, layout,
+                                                None if fits is None else fits[index])
                 report.layer, report.seconds = index, time.perf_counter() - t0
-                state.save(index, block.state_dict(), report, h)
+                state.save(index, block.state_dict(), report, used, h)
                 progress.advance(task)
         del h
     moe = Qwen2MoeForCausalLM(config).eval()
     copy_dense_parts(dense, moe)
-    conversion = ConversionReport()
+    conversion, used_fits = ConversionReport(), []
     for index, layer in enumerate(moe.model.layers):
-        tensors, report = state.layer(index)
+        tensors, report, used = state.layer(index)
         layer.mlp.load_state_dict(tensors)
         conversion.layers.append(report)
+        used_fits.append(used)
     moe.tie_weights()
     conversion.seconds = time.perf_counter() - start
-    return moe, conversion
+    return moe, conversion, used_fits
 
 
-def _build_into(out: Path, console: Console) -> None:
+def _build_into(out: Path, console: Console, full: bool = False) -> None:
     """Every build step, writing the finished checkpoint into ``out``."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from moespec.default_model import card, gates, source
+    from moespec.default_model import card, fits, gates, source
     from moespec.default_model.checkpoints import LayerCheckpoints
     from moespec.default_model.convert import MoeLayout
 
@@ -260,7 +266,10 @@ def _build_into(out: Path, console: Console) -> None:
 
     layout = MoeLayout()
     calib = calibration_windows(tokenizer)  # [N, S]
-    moe, report = convert_resumable(dense, calib, layout, state, console)
+    recorded = None if full else fits.recorded_fits(digest, dense.config.num_hidden_layers)
+    if recorded is None:
+        console.print("  running the full recipe (neuron splits and routers fitted here: about twice as long)")
+    moe, report, used_fits = convert_resumable(dense, calib, layout, state, console, recorded)
     del dense
     t = _step(console, f"converted {len(report.layers)} layers into {layout.n_experts} experts + shared "
                        f"(top-{layout.top_k}) on {calib.numel()} calibration tokens", t)
@@ -288,10 +297,12 @@ def _build_into(out: Path, console: Console) -> None:
     (out / "README.md").write_text(card.render_card(DEFAULT_MODEL_NAME, source.SOURCE_DESCRIPTION, layout,
                                                     calib.numel(), gates.recorded_gates(), answers, report,
                                                     build_s, versions), encoding="utf-8")
+    if recorded is None:  # what `scripts/default_model_gates.py --record` ships as the recorded fits
+        fits.save_fits(out / fits.FITS_FILE, used_fits, digest)
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     marker = {"recipe_version": RECIPE_VERSION, "recipe_digest": digest, "name": DEFAULT_MODEL_NAME,
               "file_bytes": files, "build_s": round(build_s, 1), "conversion_s": round(report.seconds, 1),
-              "answers_correct": not wrong, "versions": versions}
+              "recorded_fits": recorded is not None, "answers_correct": not wrong, "versions": versions}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     _step(console, "checkpoint, tokenizer and card written", t)
 

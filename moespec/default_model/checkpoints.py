@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moespec.default_model.convert import LayerReport
+from moespec.default_model.convert import LayerFits, LayerReport
 from moespec.fsutil import atomic_path, atomic_write_text
 
 STATE_FILE = "state.json"
@@ -74,13 +74,15 @@ class LayerCheckpoints:
         with safe_open(str(path), framework="pt") as fh:
             return int(fh.metadata()["after_layer"])
 
-    def save(self, index: int, block: dict[str, torch.Tensor], report: LayerReport, hidden: torch.Tensor) -> None:
-        """Record layer ``index`` as finished: its block tensors, its report, then ``hidden`` [N, S, H].
+    def save(self, index: int, block: dict[str, torch.Tensor], report: LayerReport, fits: LayerFits,
+             hidden: torch.Tensor) -> None:
+        """Record layer ``index`` as finished: its block tensors, report and fits, then ``hidden`` [N, S, H].
 
         Raises:
             OSError: a file cannot be written (disk full included); the previous checkpoint stays valid.
         """
         tensors = {name: t.detach().contiguous() for name, t in block.items()}
+        tensors["fits.shared"], tensors["fits.experts"] = fits.shared.contiguous(), fits.experts.contiguous()
         with atomic_path(self.folder / _layer_file(index)) as tmp:
             save_file(tensors, str(tmp), metadata={"report": json.dumps(asdict(report))})
         with atomic_path(self.folder / HIDDEN_FILE) as tmp:
@@ -91,12 +93,14 @@ class LayerCheckpoints:
         with safe_open(str(self.folder / HIDDEN_FILE), framework="pt") as fh:
             return fh.get_tensor("h")
 
-    def layer(self, index: int) -> tuple[dict[str, torch.Tensor], LayerReport]:
-        """Block tensors (float32, named as the block's state_dict) and report of layer ``index``."""
+    def layer(self, index: int) -> tuple[dict[str, torch.Tensor], LayerReport, LayerFits]:
+        """Block tensors (float32, named as the block's state_dict), report and fits of layer ``index``."""
         with safe_open(str(self.folder / _layer_file(index)), framework="pt") as fh:
             tensors = {name: fh.get_tensor(name) for name in fh.keys()}
             report = LayerReport(**json.loads(fh.metadata()["report"]))
-        return tensors, report
+        fits = LayerFits(shared=tensors.pop("fits.shared"), experts=tensors.pop("fits.experts"),
+                         router=tensors["gate.weight"], recall=report.recall)
+        return tensors, report, fits
 
     def remove(self) -> None:
         """Delete the folder and everything in it (after a finished build, or stale checkpoints)."""
