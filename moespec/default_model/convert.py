@@ -34,7 +34,7 @@ from moespec.default_model.split import cluster_experts, split_neurons
 
 
 WORK_DTYPE = torch.float64  # every fit: split, oracle, router, down-projection refit (see convert())
-STREAM_DTYPE = torch.float64  # the calibration forward: attention, activations, targets, outputs
+STREAM_DTYPE = torch.float32  # the calibration forward: attention, activations, targets, outputs
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def convert_layer(dense_layer: torch.nn.Module, block: torch.nn.Module, h: torch
 
     Args:
         dense_layer: the dense LlamaDecoderLayer (float32; copied to STREAM_DTYPE here, one layer at
-            a time, so the whole model never exists in float64).
+            a time, so no second copy of the whole model exists).
         block: the layer's Qwen2MoeSparseMoeBlock (float32), filled in place.
         h: [N, S, H] STREAM_DTYPE hidden states entering the layer (through the converted layers before it).
         rope: (cos, sin) from :func:`calibration_inputs`.
@@ -322,14 +322,15 @@ def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
             on_layer: Callable[[LayerReport], None] | None = None) -> tuple[Qwen2MoeForCausalLM, ConversionReport]:
     """Build the Qwen2-MoE model from ``dense`` (float32, CPU), fitting routers on ``calib_ids``.
 
-    Every fit and the calibration forward run in float64 (WORK_DTYPE) on one layer's copy at a
-    time; only the written weights are float32. Why: float32 results of CPU kernels differ between
-    runs in the last bits (measured: the same router fit gave two different weights in repeated
-    runs, depending on kernel paths torch does not pin), and near-tied router logits turn such bits
-    into different expert choices, so the float32 pipeline built a different model each time
-    (held-out perplexity 31.1 vs 31.6 for one recipe). In float64 two runs agree to ~1e-12
-    (relative layer errors measured equal to 12 digits), so two builds differ at most in the last
-    float32 bit of a few weights and choose the same experts: reproducible, though not bit for bit.
+    Every fit (neuron split, oracle, router, down-projection refit) runs in float64
+    (WORK_DTYPE); the calibration forward (attention, activations, targets, the converted layer's
+    output) runs in float32 (STREAM_DTYPE) on one layer's copy at a time; the written weights are
+    float32. Why float64 fits: float32 fits differed between runs in the last bits, and the router
+    fit's Adam steps and near-tied logits turned such bits into different expert choices (held-out
+    perplexity 31.1 vs 31.6 for one recipe); in float64 two runs agree to ~1e-12. Why a float32
+    forward: it is the forward the checkpoint itself runs, and it halves the time and memory of the
+    largest products; its last-bit differences between machines reach the fits only through a
+    well-damped ridge solve, so the weights move by about float32 rounding (recipe 6 measured both).
     The default-model build runs the same :func:`convert_layer` steps with a checkpoint after each.
 
     Args:

