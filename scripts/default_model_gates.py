@@ -31,7 +31,7 @@ def main() -> int:
     from rich.console import Console
 
     from moespec.default_model import ensure_default_model, fits, gates
-    from moespec.default_model.build import build_marker
+    from moespec.default_model.build import build_marker, refresh_card
     from moespec.default_model.recipe import recipe_digest
 
     console = Console(stderr=True)
@@ -45,6 +45,7 @@ def main() -> int:
         path = gates.recorded_path()
         path.write_text(json.dumps(recorded, indent=2) + "\n", encoding="utf-8")
         console.print(f"recorded the numbers in {path}")
+        refresh_card(folder, recorded)
         made = folder / fits.FITS_FILE
         if made.is_file():
             shutil.copy(made, fits.fits_path())

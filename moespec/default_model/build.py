@@ -127,6 +127,26 @@ def _build_lock(parent: Path, console: Console) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def refresh_card(folder: Path, recorded: dict) -> None:
+    """Put ``recorded`` quality numbers into the card of a build made before they were recorded.
+
+    A full-recipe build renders its card before the test suite has measured that recipe; after
+    ``scripts/default_model_gates.py --record`` this fills them in and updates the marker's sizes.
+    """
+    from moespec.default_model import card
+    from moespec.fsutil import atomic_write_text
+
+    path = folder / "README.md"
+    text = path.read_text(encoding="utf-8")
+    if card._recorded_text(None) not in text:
+        return
+    atomic_write_text(path, text.replace(card._recorded_text(None), card._recorded_text(recorded)))
+    marker = build_marker(folder)
+    if marker is not None:
+        marker["file_bytes"]["README.md"] = path.stat().st_size
+        atomic_write_text(folder / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+
+
 def _step(console: Console, text: str, start: float) -> float:
     now = time.perf_counter()
     console.print(f"  {text} [dim]({now - start:.0f} s)[/]")
