@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moespec.default_model.refit import moe_features, refit_down, refit_down_routed, relative_error
@@ -233,3 +234,74 @@ def test_keep_freed_memory_applies_on_glibc_and_changes_no_result():
             torch.empty(8_000_000, dtype=torch.float64).fill_(1.0)  # allocated and freed: kept for reuse
     assert applied == (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
     assert torch.equal(got, want)
+
+
+def _tiny_dense():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_interrupted_build_resumes_at_the_next_layer_and_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Ctrl-C while layer 2 converts keeps layers 0 and 1 (checkpoint files); the next run converts
+    only layer 2 and gives the same weights as convert() in one go. Checkpoints of another recipe
+    digest are discarded."""
+    import io
+
+    from rich.console import Console
+
+    from moespec.default_model import convert as convert_mod
+    from moespec.default_model.build import convert_resumable
+    from moespec.default_model.checkpoints import LayerCheckpoints
+    from moespec.default_model.convert import MoeLayout, convert
+
+    dense = _tiny_dense()
+    calib = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(1))
+    layout = MoeLayout(n_experts=8, top_k=2, shared_neurons=64, expert_neurons=8, router_batch=128, router_steps=30)
+    want, _ = convert(dense, calib, layout)
+    console = Console(file=io.StringIO())
+
+    real = convert_mod.convert_layer
+    calls = []
+
+    def interrupt_at_layer_2(dense_layer, *args):
+        calls.append(dense_layer)
+        if dense_layer is dense.model.layers[2]:
+            raise KeyboardInterrupt
+        return real(dense_layer, *args)
+
+    monkeypatch.setattr(convert_mod, "convert_layer", interrupt_at_layer_2)
+    state = LayerCheckpoints(tmp_path / "state", "digest-a")
+    with pytest.raises(KeyboardInterrupt):
+        convert_resumable(dense, calib, layout, state, console)
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [
+        "hidden.safetensors", "layer-00.safetensors", "layer-01.safetensors", "state.json"]
+
+    calls.clear()
+    monkeypatch.setattr(convert_mod, "convert_layer", real)
+    monkeypatch.setattr(convert_mod, "convert_layer", lambda d, *a: calls.append(d) or real(d, *a))
+    got, report, fits = convert_resumable(dense, calib, layout, state, console)
+    assert calls == [dense.model.layers[2]]  # layers 0 and 1 came from their checkpoints
+    assert [r.layer for r in report.layers] == [0, 1, 2]
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    # A build on recorded fits (fits.py) refits only the down projections and gets the same model.
+    from moespec.default_model import fits as fits_mod
+
+    fits_mod.save_fits(tmp_path / "fits.safetensors", fits, "digest-a")
+    monkeypatch.setattr(fits_mod, "fits_path", lambda: tmp_path / "fits.safetensors")
+    assert fits_mod.recorded_fits("digest-other", 3) is None and fits_mod.recorded_fits("digest-a", 4) is None
+    recorded = fits_mod.recorded_fits("digest-a", 3)
+    monkeypatch.setattr(convert_mod, "fit_layer", lambda *a: pytest.fail("the recorded fits must be used"))
+    again, _, _ = convert_resumable(dense, calib, layout, LayerCheckpoints(tmp_path / "s2", "digest-a"), console,
+                                    recorded)
+    for (name, a), (_, b) in zip(want.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    calls.clear()
+    assert LayerCheckpoints(tmp_path / "state", "digest-b").open() == 0  # another recipe: start over
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["state.json"]

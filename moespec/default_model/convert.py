@@ -33,7 +33,8 @@ from moespec.default_model.router_fit import fit_router, oracle_topk_factored, t
 from moespec.default_model.split import cluster_experts, split_neurons
 
 
-WORK_DTYPE = torch.float64  # every fit and the calibration forward (see convert())
+WORK_DTYPE = torch.float64  # every fit: split, oracle, router, down-projection refit (see convert())
+STREAM_DTYPE = torch.float32  # the calibration forward: attention, activations, targets, outputs
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def moe_config(dense: LlamaForCausalLM, layout: MoeLayout) -> Qwen2MoeConfig:
     )
 
 
-def _copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None:
+def copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None:
     """Copy embeddings, final norm, attention and norms (everything but the FFNs)."""
     moe.model.embed_tokens.weight.copy_(dense.model.embed_tokens.weight)
     moe.model.norm.weight.copy_(dense.model.norm.weight)
@@ -145,69 +146,175 @@ def _copy_dense_parts(dense: LlamaForCausalLM, moe: Qwen2MoeForCausalLM) -> None
             getattr(m_layer.self_attn, name).weight.copy_(getattr(d_layer.self_attn, name).weight)
 
 
-def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Tensor,
-                 layout: MoeLayout) -> tuple[LayerReport, torch.Tensor]:
-    """Fill one Qwen2MoeSparseMoeBlock from one LlamaMLP using router inputs ``s`` [T, H].
+@dataclass(frozen=True)
+class LayerFits:
+    """One layer's fitted choices: which neurons form which expert, and the router.
 
-    ``dense_mlp`` and ``s`` are in the working dtype (float64); the block's float32 parameters
-    receive the results rounded once. The last 10% of the tokens are held back from every fit and
-    give the report's errors.
+    They are the slow part of the recipe (clustering, oracle, router fit: about 40% of a layer's
+    time) and small (about 40 kB a layer), so the recipe's results ship with moespec
+    (fits.py) and a user's build refits only the down projections on them.
+
+    Attributes:
+        shared: [n_shared] int64 neuron indices of the shared expert, ascending.
+        experts: [E, I_e] int64 neuron indices of the routed experts, rows ascending.
+        router: [E, H] float32 router weight, as the checkpoint stores it.
+        recall: router top-K vs oracle top-K recall on the fit's held-back tokens (router_fit.RouterFit).
+    """
+
+    shared: torch.Tensor
+    experts: torch.Tensor
+    router: torch.Tensor
+    recall: float
+
+
+def fit_layer(s: torch.Tensor, act: torch.Tensor, w_down: torch.Tensor, layout: MoeLayout) -> LayerFits:
+    """The slow part of the recipe for one layer: neuron split, oracle, router fit (float64).
+
+    Args:
+        s: [T_fit, H] router inputs of the fit tokens (any float dtype; fitted in WORK_DTYPE).
+        act: [T_fit, I] their dense SwiGLU activations.
+        w_down: [H, I] the dense down projection.
+        layout: the expert layout and fitting settings.
 
     Returns:
-        The layer's report and the converted layer's output on ``s`` ([T, H], working dtype):
-        shared expert + the router's top-K experts with their renormalised weights.
+        The :class:`LayerFits`; its router is rounded to float32 (the checkpoint's dtype), and the
+        down-projection refit routes with that rounded router, as the checkpoint will.
+    """
+    s, act, w_down = s.to(WORK_DTYPE), act.to(WORK_DTYPE), w_down.to(WORK_DTYPE)
+    if layout.expert_neurons is None:
+        split = split_neurons(act, w_down, layout.shared_neurons, layout.n_experts)
+    else:
+        split = cluster_experts(s, act, w_down, layout.shared_neurons, layout.n_experts,
+                                layout.top_k, layout.expert_neurons, seed=layout.seed)
+    # What the routed experts should add: the dense output of the pool neurons (the sum of the
+    # experts' outputs would count neurons that several experts share more than once).
+    pool = torch.ones(w_down.shape[1], dtype=torch.bool).index_fill_(0, split.shared, False)  # [I]
+    routed_target = act[:, pool] @ w_down[:, pool].T  # [T_fit, H]
+    idx = split.experts  # [E, I_e]
+    oracle = oracle_topk_factored(act[:, idx], w_down[:, idx], layout.top_k, routed_target)  # [T_fit, K]
+    del routed_target
+    fit = fit_router(s, oracle, layout.n_experts, steps=layout.router_steps,
+                     batch_tokens=layout.router_batch, seed=layout.seed)
+    return LayerFits(shared=split.shared, experts=idx, router=fit.weight.float(), recall=fit.recall)
+
+
+def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Tensor,
+                 layout: MoeLayout, fits: LayerFits | None = None) -> tuple[LayerReport, torch.Tensor, LayerFits]:
+    """Fill one Qwen2MoeSparseMoeBlock from one LlamaMLP using router inputs ``s`` [T, H].
+
+    ``dense_mlp`` and ``s`` are in STREAM_DTYPE; the fits and the down-projection refit run in
+    WORK_DTYPE (float64); the block's float32 parameters receive the results rounded once. The
+    last 10% of the tokens are held back from every fit and give the report's errors.
+
+    Args:
+        fits: this layer's recorded :class:`LayerFits` (the refit then only refits the down
+            projections on them), or None to fit them here (:func:`fit_layer`).
+
+    Returns:
+        The layer's report, the converted layer's output on ``s`` ([T, H], STREAM_DTYPE: shared
+        expert + the router's top-K experts with their renormalised weights), and the fits used.
     """
     w_gate = dense_mlp.gate_proj.weight  # [I, H]
     w_up = dense_mlp.up_proj.weight  # [I, H]
     w_down = dense_mlp.down_proj.weight  # [H, I]
     act = torch.nn.functional.silu(s @ w_gate.T) * (s @ w_up.T)  # [T, I]
     n_fit = s.shape[0] - s.shape[0] // 10
-    if layout.expert_neurons is None:
-        split = split_neurons(act[:n_fit], w_down, layout.shared_neurons, layout.n_experts)
-    else:
-        split = cluster_experts(s[:n_fit], act[:n_fit], w_down, layout.shared_neurons, layout.n_experts,
-                                layout.top_k, layout.expert_neurons, seed=layout.seed)
-    idx = split.experts  # [E, I_e]
-    act_shared, act_routed = act[:, split.shared], act[:, idx]  # [T, n_sh], [T, E, I_e]
-    # What the routed experts should add: the dense output of the pool neurons (the sum of the
-    # experts' outputs would count neurons that several experts share more than once).
-    pool = torch.ones(w_down.shape[1], dtype=torch.bool).index_fill_(0, split.shared, False)  # [I]
-    routed_target = act[:, pool] @ w_down[:, pool].T  # [T, H]
+    target = act @ w_down.T  # [T, H] dense FFN output
+    if fits is None:
+        fits = fit_layer(s[:n_fit], act[:n_fit], w_down, layout)
+    idx = fits.experts  # [E, I_e]
+    act_shared, act_routed = act[:, fits.shared], act[:, idx]  # [T, n_sh], [T, E, I_e]
     del act
-    shared_target = act_shared @ w_down[:, split.shared].T  # [T, H] the shared neurons' dense output
-    target = shared_target + routed_target  # [T, H] dense FFN output
 
-    oracle = oracle_topk_factored(act_routed[:n_fit], w_down[:, idx], layout.top_k, routed_target[:n_fit])  # [T_fit, K]
-    fit = fit_router(s[:n_fit], oracle, layout.n_experts, steps=layout.router_steps,
-                     batch_tokens=layout.router_batch, seed=layout.seed)
-
-    logits = s @ fit.weight.T  # [T, E]
+    logits = s.to(WORK_DTYPE) @ fits.router.to(WORK_DTYPE).T  # [T, E]
     weights, ids = topk_weights(logits, layout.top_k)  # [T, K]
-    down = refit_down_routed(act_shared[:n_fit], act_routed[:n_fit], ids[:n_fit], weights[:n_fit], target[:n_fit],
-                             layout.ridge, layout.relative_refit)  # [H, I]
+    down = refit_down_routed(act_shared[:n_fit].to(WORK_DTYPE), act_routed[:n_fit].to(WORK_DTYPE), ids[:n_fit],
+                             weights[:n_fit], target[:n_fit].to(WORK_DTYPE), layout.ridge,
+                             layout.relative_refit).to(s.dtype)  # [H, I]
     n_sh = layout.shared_neurons
     routed_features = moe_features(act_shared[:, :0], act_routed, ids, weights)  # [T, E * I_e]
     output = act_shared @ down[:, :n_sh].T + routed_features @ down[:, n_sh:].T  # [T, H] (returned, scored on held rows)
+    del routed_features
     held = slice(n_fit, None)  # the report's random routing runs on the held-back rows only
     gen = torch.Generator().manual_seed(layout.seed)
     rand_ids = torch.topk(torch.rand(logits[held].shape, generator=gen), layout.top_k, dim=-1).indices  # [T_h, K]
     rand_w = torch.gather(torch.softmax(logits[held], dim=-1), 1, rand_ids)
     rand_features = moe_features(act_shared[held], act_routed[held], rand_ids, rand_w / rand_w.sum(-1, keepdim=True))
-    report = LayerReport(layer=-1, recall=fit.recall, seconds=0.0,
+    shared_target = act_shared[held] @ w_down[:, fits.shared].T  # [T_h, H] the shared neurons' dense output
+    report = LayerReport(layer=-1, recall=fits.recall, seconds=0.0,
                          rel_err=relative_error(target[held], output[held]),
                          random_rel_err=relative_error(target[held], rand_features @ down.T),
-                         shared_only_rel_err=relative_error(target[held], shared_target[held]))
+                         shared_only_rel_err=relative_error(target[held], shared_target))
 
     n_experts, i_e = idx.shape
     shared = block.shared_expert
-    shared.gate_proj.weight.copy_(w_gate[split.shared])
-    shared.up_proj.weight.copy_(w_up[split.shared])
+    shared.gate_proj.weight.copy_(w_gate[fits.shared])
+    shared.up_proj.weight.copy_(w_up[fits.shared])
     shared.down_proj.weight.copy_(2.0 * down[:, :n_sh])  # shared_expert_gate = 0: sigmoid(0) = 0.5 exactly
     block.shared_expert_gate.weight.zero_()
     block.experts.gate_up_proj.copy_(torch.cat([w_gate[idx], w_up[idx]], dim=1))  # [E, 2 I_e, H]
     block.experts.down_proj.copy_(down[:, n_sh:].reshape(-1, n_experts, i_e).permute(1, 0, 2))  # [E, H, I_e]
-    block.gate.weight.copy_(fit.weight)  # [E, H]
-    return report, output
+    block.gate.weight.copy_(fits.router)  # [E, H]
+    return report, output, fits
+
+
+ATTENTION_WINDOWS = 8  # calibration windows per attention call: bounds SDPA's [n, heads, S, S] scores
+
+
+def moe_block(config: Qwen2MoeConfig) -> torch.nn.Module:
+    """An empty Qwen2-MoE sparse block of ``config`` (float32), filled by :func:`convert_layer`."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    return Qwen2MoeSparseMoeBlock(config).eval()
+
+
+def calibration_inputs(dense: LlamaForCausalLM, calib_ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """Layer 0's input and the rotary embeddings of the calibration windows, in STREAM_DTYPE.
+
+    Args:
+        dense: the dense model (float32).
+        calib_ids: [N, S] int64 calibration token ids.
+
+    Returns:
+        (h [N, S, H] STREAM_DTYPE embeddings, (cos, sin) each [1, S, head_dim] STREAM_DTYPE: every
+        window starts at position 0, so one row serves all of them).
+    """
+    h = dense.model.embed_tokens(calib_ids).to(STREAM_DTYPE)  # [N, S, H]
+    position_ids = torch.arange(calib_ids.shape[1])[None]  # [1, S]
+    rope = tuple(t.to(STREAM_DTYPE) for t in dense.model.rotary_emb(h, position_ids))
+    return h, rope
+
+
+@torch.no_grad()
+def convert_layer(dense_layer: torch.nn.Module, block: torch.nn.Module, h: torch.Tensor, rope: tuple,
+                  layout: MoeLayout, fits: LayerFits | None = None) -> tuple[LayerReport, torch.Tensor, LayerFits]:
+    """Convert one decoder layer's FFN into ``block`` and advance the calibration states through it.
+
+    Args:
+        dense_layer: the dense LlamaDecoderLayer (float32; copied to STREAM_DTYPE here, one layer at
+            a time, so no second copy of the whole model exists).
+        block: the layer's Qwen2MoeSparseMoeBlock (float32), filled in place.
+        h: [N, S, H] STREAM_DTYPE hidden states entering the layer (through the converted layers before it).
+        rope: (cos, sin) from :func:`calibration_inputs`.
+        layout: the expert layout and fitting settings.
+        fits: the layer's recorded fits (fits.py), or None to fit them (the full recipe).
+
+    Returns:
+        (the layer's report with ``layer`` = -1 and ``seconds`` = 0 for the caller to fill,
+        h after the converted layer: [N, S, H] STREAM_DTYPE, the fits used).
+    """
+    work = copy.deepcopy(dense_layer).to(STREAM_DTYPE)
+    r = torch.empty_like(h)  # [N, S, H]
+    for start in range(0, h.shape[0], ATTENTION_WINDOWS):
+        part = h[start:start + ATTENTION_WINDOWS]  # [n, S, H]
+        cos, sin = (t.expand(part.shape[0], -1, -1) for t in rope)
+        # attention_mask=None: SDPA applies the causal mask itself for S > 1.
+        attn, _ = work.self_attn(work.input_layernorm(part), position_embeddings=(cos, sin), attention_mask=None)
+        r[start:start + ATTENTION_WINDOWS] = part + attn
+    s = work.post_attention_layernorm(r)  # [N, S, H]
+    report, out, fits = _convert_ffn(work.mlp, block, s.reshape(-1, s.shape[-1]), layout, fits)
+    del s
+    return report, r.add_(out.reshape(r.shape)), fits  # [N, S, H]: what the converted block computes
 
 
 @torch.no_grad()
@@ -215,14 +322,16 @@ def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
             on_layer: Callable[[LayerReport], None] | None = None) -> tuple[Qwen2MoeForCausalLM, ConversionReport]:
     """Build the Qwen2-MoE model from ``dense`` (float32, CPU), fitting routers on ``calib_ids``.
 
-    Every fit and the calibration forward run in float64 on a copy of ``dense``; only the written
-    weights are float32. Why: float32 results of CPU kernels differ between runs in the last bits
-    (measured: the same router fit gave two different weights in repeated runs, depending on
-    kernel paths torch does not pin), and near-tied router logits turn such bits into different
-    expert choices, so the float32 pipeline built a different model each time (held-out
-    perplexity 31.1 vs 31.6 for one recipe). In float64 two runs agree to ~1e-12 (relative
-    layer errors measured equal to 12 digits), so two builds differ at most in the last float32
-    bit of a few weights and choose the same experts: reproducible, though not bit for bit.
+    Every fit (neuron split, oracle, router, down-projection refit) runs in float64
+    (WORK_DTYPE); the calibration forward (attention, activations, targets, the converted layer's
+    output) runs in float32 (STREAM_DTYPE) on one layer's copy at a time; the written weights are
+    float32. Why float64 fits: float32 fits differed between runs in the last bits, and the router
+    fit's Adam steps and near-tied logits turned such bits into different expert choices (held-out
+    perplexity 31.1 vs 31.6 for one recipe); in float64 two runs agree to ~1e-12. Why a float32
+    forward: it is the forward the checkpoint itself runs, and it halves the time and memory of the
+    largest products; its last-bit differences between machines reach the fits only through a
+    well-damped ridge solve, so the weights move by about float32 rounding (recipe 6 measured both).
+    The default-model build runs the same :func:`convert_layer` steps with a checkpoint after each.
 
     Args:
         dense: the dense model, float32, eval mode.
@@ -236,22 +345,12 @@ def convert(dense: LlamaForCausalLM, calib_ids: torch.Tensor, layout: MoeLayout,
     start = time.perf_counter()
     torch.manual_seed(layout.seed)
     moe = Qwen2MoeForCausalLM(moe_config(dense, layout)).eval()
-    _copy_dense_parts(dense, moe)
+    copy_dense_parts(dense, moe)
     report = ConversionReport()
-
-    work = copy.deepcopy(dense).to(WORK_DTYPE)  # attention and norms equal the MoE model's (copied above)
-    n_seq, seq_len = calib_ids.shape
-    h = work.model.embed_tokens(calib_ids)  # [N, S, H] float64
-    position_ids = torch.arange(seq_len)[None].expand(n_seq, -1)  # [N, S]
-    rope = work.model.rotary_emb(h, position_ids)  # (cos, sin), each [N, S, head_dim]
-    for index, (d_layer, m_layer) in enumerate(zip(work.model.layers, moe.model.layers)):
+    h, rope = calibration_inputs(dense, calib_ids)  # [N, S, H]
+    for index, (d_layer, m_layer) in enumerate(zip(dense.model.layers, moe.model.layers)):
         t0 = time.perf_counter()
-        # attention_mask=None: SDPA applies the causal mask itself for S > 1.
-        attn, _ = d_layer.self_attn(d_layer.input_layernorm(h), position_embeddings=rope, attention_mask=None)
-        r = h + attn  # [N, S, H]
-        s = d_layer.post_attention_layernorm(r)  # [N, S, H]
-        layer_report, out = _convert_ffn(d_layer.mlp, m_layer.mlp, s.reshape(-1, s.shape[-1]), layout)
-        h = r + out.reshape(r.shape)  # [N, S, H]: what the converted block computes, in float64
+        layer_report, h, _ = convert_layer(d_layer, m_layer.mlp, h, rope, layout)
         layer_report.layer, layer_report.seconds = index, time.perf_counter() - t0
         report.layers.append(layer_report)
         if on_layer is not None:

