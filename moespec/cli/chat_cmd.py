@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
                                 LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
@@ -47,6 +47,7 @@ def chat(
     predictor: str = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid."),
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: float = FetchThreshold,
+    cache_policy: Optional[str] = CachePolicyOpt,
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
@@ -76,6 +77,7 @@ def chat(
         device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        cache_policy=cache_policy,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)
@@ -116,7 +118,8 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
         err_console.print(
             f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.2f} MB "
-            f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}[/]")
+            f"on {om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}, "
+            f"cache policy {om.cache.policy.value}[/]")
     return ChatSession(Engine(om), tokenizer, sampling, system)
 
 
@@ -128,7 +131,7 @@ def _one_shot(session, prompt: str, json_out: bool, out) -> None:
     for piece in session.send(prompt):
         out.print(piece, end="", soft_wrap=True)
     out.print()
-    err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+    err_console.print(f"[dim]{_footer(session)}[/]")
 
 
 def _repl(session, out) -> None:
@@ -160,7 +163,12 @@ def _repl(session, out) -> None:
             err_console.print(f"[red]error:[/] {exc.message}" + (f"\n[yellow]hint:[/] {exc.hint}" if exc.hint else ""))
             continue
         out.print()
-        err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+        err_console.print(f"[dim]{_footer(session)}[/]")
+
+
+def _footer(session) -> str:
+    """The summary line of the last answer, naming the cache policy."""
+    return f"{session.last.summary.footer()} · cache {session.engine.om.cache.policy.value}"
 
 
 def _print_stats(session, out) -> None:
@@ -177,7 +185,8 @@ def _print_stats(session, out) -> None:
         for layer, st in s.layers.items():
             per_layer.setdefault(layer, LayerStats()).add(st)
     n = len(steps)
-    table = Table(title=f"last answer: {n} decode tokens, per layer and token")
+    policy = session.engine.om.cache.policy.value
+    table = Table(title=f"last answer: {n} decode tokens, per layer and token (cache policy {policy})")
     for col in ("layer", "hits", "misses", "prefetched", "wasted", "recall@K", "H2D MB", "stall ms", "compute ms"):
         table.add_column(col, justify="right")
     for layer in sorted(per_layer):

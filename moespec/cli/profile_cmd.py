@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
                                 Threads, err_console, handles_errors, set_threads)
 
 HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
@@ -74,6 +74,7 @@ def profile(
     warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: float = FetchThreshold,
+    cache_policy: Optional[str] = CachePolicyOpt,
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
@@ -113,7 +114,7 @@ def profile(
     set_threads(threads)
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None)
+                             trace is not None, cache_policy)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -134,7 +135,7 @@ def profile(
 
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
+         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, cache_policy=None):
     """Load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -156,7 +157,8 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        cache_policy=cache_policy)
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
@@ -173,7 +175,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         err_console.print(
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
-            f"on {om.device}[/]")
+            f"on {om.device}, cache policy {om.cache.policy.value}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
@@ -182,7 +184,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
-                   "seed": seed, "threads": torch.get_num_threads()}
+                   "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}
         return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines
     finally:
         om.close()

@@ -17,11 +17,15 @@ The rule that keeps prefetch from costing more than it saves (issue 16):
   an expert from the cache area.
 - On its first use a prefetched expert is **promoted**: its slot joins the cache area and the
   cache area's victim (by the rule, the one a demand miss of the same expert would evict at that
-  moment) leaves for the prefetch area. An unused prediction stays in the prefetch area until
-  a later prefetch overwrites it (or a use promotes it).
+  moment) moves, still holding its expert, to the prefetch area. Experts in the prefetch area
+  (unused predictions, victims) stay usable until a later prefetch overwrites them (empty slots
+  first, then unused predictions, then victims, oldest first); a use promotes them back. So a
+  wrong prediction in steady state overwrites an older wrong prediction, and only a right one
+  overwrites a victim, as its demand miss would have.
 
 So the cache area sees the same uses and evictions as on-demand loading with S - prefetch_slots
-slots, and a predictor moves at most on-demand's bytes at that size plus its wasted predictions.
+slots, plus a second chance for its last victims, and a predictor moves at most on-demand's
+bytes at that size plus its wasted predictions.
 Demand misses take the rule's victim, or a free prefetch-area slot when every cache-area slot is
 pinned.
 """
@@ -89,6 +93,7 @@ class ExpertCache:
         self._pins = [0] * n
         self._ticket: list[Ticket | None] = [None] * n
         self._from_prefetch = [False] * n
+        self._unused = [False] * n  # filled by a prefetch and not used since
         self._in_prefetch_area = [False] * n
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))  # evictable cache area
         self._pf_free: OrderedDict[int, None] = OrderedDict()  # unpinned prefetch-area slots
@@ -169,8 +174,16 @@ class ExpertCache:
         return self.rule.victim(order, self._key)
 
     def _free_prefetch_slot(self) -> int | None:
-        """An unpinned prefetch-area slot whose copy has landed (empties first, then the oldest)."""
-        return next((s for s in self._pf_free if not self.in_flight(s)), None)
+        """An unpinned prefetch-area slot whose copy has landed: an empty one, else the oldest unused
+        prediction, else the oldest victim (the one on-demand loading would have evicted first)."""
+        best, best_rank = None, 3
+        for s in self._pf_free:
+            rank = 0 if self._key[s] is None else (1 if self._unused[s] else 2)
+            if rank < best_rank and not self.in_flight(s):
+                best, best_rank = s, rank
+                if rank == 0:
+                    break
+        return best
 
     def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
         self._evict_to_empty(slot)
@@ -181,6 +194,7 @@ class ExpertCache:
         self.copies += 1
         self._pins[slot] = 1
         self._from_prefetch[slot] = prefetch
+        self._unused[slot] = prefetch
         return slot
 
     def _load(self, key: Key) -> int | None:
@@ -201,10 +215,10 @@ class ExpertCache:
         if victim is None:
             return  # every cache-area slot is pinned: it stays in the prefetch area for now
         del self._lru[victim]
-        self._evict_to_empty(victim)
+        # The victim keeps its expert until a prefetch overwrites it: a use before that is a hit
+        # (and promotes it back), so the prefetch area costs the cache area less than its size.
         self._in_prefetch_area[victim] = True
         self._pf_free[victim] = None
-        self._pf_free.move_to_end(victim, last=False)
         self._in_prefetch_area[slot] = False
 
     def clear(self) -> None:
@@ -230,6 +244,7 @@ class ExpertCache:
             self.rule.used(key)
             prefetched = self._from_prefetch[slot]
             self._from_prefetch[slot] = False
+            self._unused[slot] = False
             if self._in_prefetch_area[slot]:
                 self._promote(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)

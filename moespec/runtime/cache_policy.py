@@ -87,18 +87,18 @@ class LfruRule(LfuRule):
         self.stamp: dict[Key, int] = {}  # key -> layer uses when its count was last brought up to date
         self.uses: dict[int, int] = {}  # layer -> uses so far
 
-    def _decayed(self, key: Key) -> float:
-        age = self.uses.get(key[0], 0) - self.stamp.get(key, 0)
+    def _decayed(self, key: Key, now: int) -> float:
+        age = now - self.stamp.get(key, 0)
         return self.count.get(key, 0.0) * LFRU_DECAY ** (age / self.top_k)
 
     def used(self, key: Key) -> None:
-        c = self._decayed(key)
-        self.uses[key[0]] = self.uses.get(key[0], 0) + 1
-        self.count[key] = c + 1.0
-        self.stamp[key] = self.uses[key[0]]
+        now = self.uses.get(key[0], 0) + 1  # the layer's clock advances by one use
+        self.uses[key[0]] = now
+        self.count[key] = self._decayed(key, now) + 1.0
+        self.stamp[key] = now
 
     def score(self, key: Key) -> float:
-        return self._decayed(key)
+        return self._decayed(key, self.uses.get(key[0], 0))
 
 
 class StaticRule(EvictionRule):
