@@ -185,9 +185,25 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
                    "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}
-        return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines
+        report = build_report(describe(om, model_id), options, pcfg, prof)
+        report["policy_hit_rates"] = _policy_hit_rates(om, path, calibration, prof)
+        return report, prof.timelines
     finally:
         om.close()
+
+
+def _policy_hit_rates(om, path, calibration, prof) -> dict:
+    """prompt length (str) -> policy -> hit rates of the exact trace replayed on-demand (profile/policies.py)."""
+    from moespec.errors import CalibrationError
+    from moespec.profile.policies import policy_hit_rates
+    from moespec.runtime.cache_policy import load_seed
+
+    k = om.adapter.top_k()
+    try:
+        seed = load_seed(path, calibration, k)
+    except CalibrationError:
+        seed = None
+    return {str(plen): policy_hit_rates(t.routings, om.cache.num_slots, k, seed) for plen, t in prof.traces.items()}
 
 
 def _resolve(model: Optional[str]) -> tuple[Path, str]:

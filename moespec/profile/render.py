@@ -78,6 +78,35 @@ def recall_table(rep: dict, plen: int) -> Table | None:
     return t
 
 
+def hit_table(rep: dict, plen: int) -> Table | None:
+    """Hit rate per layer (rows): each strategy's run, then each cache policy replaying the exact
+    trace on-demand (``policy_hit_rates``); None when there is nothing to show."""
+    res = [r for r in rep["results"] if r["prompt_len"] == plen]
+    pol = rep.get("policy_hit_rates", {}).get(str(plen), {})
+    if not res and not pol:
+        return None
+    policy = rep["options"].get("cache_policy", "?")
+    title = f"prompt {plen} tokens: hit rate per layer ({policy} runs; replays)"
+    t = Table(title=title, title_justify="left", min_width=len(title) + 2, box=box.SIMPLE)
+    t.add_column("layer", justify="right")
+    for r in res:
+        t.add_column(r["strategy"][:8], justify="right")
+    for name in pol:
+        t.add_column(f"{name}\nreplay", justify="right")
+    layers = sorted({p["layer"] for r in res for p in r["per_layer"]} | {int(la) for v in pol.values()
+                                                                           for la in v["per_layer"]})
+
+    def rate(p) -> float | None:
+        return p["hits"] / (p["hits"] + p["misses"]) if p and p["hits"] + p["misses"] > 0 else None
+
+    for layer in layers:
+        cells = [_f(rate(next((p for p in r["per_layer"] if p["layer"] == layer), None)), ".2f") for r in res]
+        cells += [_f(v["per_layer"].get(str(layer)), ".2f") for v in pol.values()]
+        t.add_row(str(layer), *cells)
+    t.add_row("all", *[_f(r["hit_rate"], ".2f") for r in res], *[_f(v["hit_rate"], ".2f") for v in pol.values()])
+    return t
+
+
 def render_report(rep: dict, console: Console) -> None:
     """Print the tables of ``rep``."""
     console.print(f"[dim]{_header(rep)}[/]")
@@ -87,8 +116,12 @@ def render_report(rep: dict, console: Console) -> None:
         rt = recall_table(rep, plen)
         if rt is not None:
             console.print(rt)
+        ht = hit_table(rep, plen)
+        if ht is not None:
+            console.print(ht)
     console.print("[dim]× none: TPOT / TPOT of none · floor: Σ max(compute, copy of what was missed) · "
-                  "copy share: copy / on-demand time · oracle replays the exact run's routing (an upper bound)[/]")
+                  "copy share: copy / on-demand time · oracle replays the exact run's routing (an upper bound) · "
+                  "<policy> replay: the exact trace through an empty cache of this size, on-demand[/]")
 
 
 def render_compare(a: dict, b: dict, name_a: str, name_b: str, console: Console) -> None:
