@@ -97,6 +97,7 @@ class ExpertCache:
         self._in_prefetch_area = [False] * n
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))  # evictable cache area
         self._pf_free: OrderedDict[int, None] = OrderedDict()  # unpinned prefetch-area slots
+        self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
         self._by_layer: dict[int, set[int]] = {}  # layer -> resident expert ids (for the guard)
 
     @property
@@ -136,7 +137,7 @@ class ExpertCache:
 
     def evictable(self) -> int:
         """Number of slots that a new copy could take now."""
-        return len(self._lru) + len(self._pf_free)
+        return len(self._lru) - len(self._protected) + len(self._pf_free)
 
     def row(self, slot: int) -> torch.Tensor:
         """The packed expert [P] held in ``slot`` (read it through ``store.layout``)."""
@@ -146,7 +147,17 @@ class ExpertCache:
     def _pin(self, slot: int) -> None:
         self._pins[slot] += 1
         self._lru.pop(slot, None)
+        self._protected.discard(slot)
         self._pf_free.pop(slot, None)
+
+    def _protect(self, slot: int) -> None:
+        """Pin a resident cache-area slot for a prefetch without touching its place in the eviction
+        order: a prediction is not a use, so a wrong one must not make its expert look recent."""
+        self._pins[slot] += 1
+        if slot in self._lru:
+            self._protected.add(slot)
+        else:
+            self._pf_free.pop(slot, None)
 
     def release(self, slot: int) -> None:
         """Drop one pin of ``slot``; at zero it becomes evictable (most recently used)."""
@@ -154,6 +165,9 @@ class ExpertCache:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self.engine.slot_released(slot)
+            if slot in self._protected:  # pinned only by a prefetch: it kept its place
+                self._protected.discard(slot)
+                return
             free = self._pf_free if self._in_prefetch_area[slot] else self._lru
             free[slot] = None
             if self._key[slot] is None:  # an empty slot is the first to reuse
@@ -168,9 +182,8 @@ class ExpertCache:
 
     def _cache_victim(self, settled: bool) -> int | None:
         """The rule's victim among unpinned cache-area slots (``settled``: none with a copy in flight)."""
-        order = self._lru
-        if settled and any(self.in_flight(s) for s in order):
-            order = OrderedDict((s, None) for s in order if not self.in_flight(s))
+        protected = self._protected
+        order = (s for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
         return self.rule.victim(order, self._key)
 
     def _free_prefetch_slot(self) -> int | None:
@@ -264,7 +277,7 @@ class ExpertCache:
         """
         slot = self._where.get(key)
         if slot is not None:
-            self._pin(slot)
+            self._protect(slot)
             return slot, False
         slot = self._free_prefetch_slot()
         if slot is not None:

@@ -23,7 +23,7 @@ replacement algorithm" (1993) and Lee et al., "LRFU" (2001), which the decayed c
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -44,8 +44,8 @@ class EvictionRule:
     def used(self, key: Key) -> None:
         """``key`` was acquired for compute (a hit or a miss)."""
 
-    def victim(self, order: OrderedDict, key_of: list) -> int | None:
-        """The slot to evict among ``order`` (evictable slot -> None, oldest first); None when empty."""
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+        """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
         return next(iter(order), None)
 
 
@@ -64,7 +64,7 @@ class LfuRule(EvictionRule):
         """Retention value of ``key`` (higher is kept)."""
         return self.count.get(key, 0.0)
 
-    def victim(self, order: OrderedDict, key_of: list) -> int | None:
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
         best, best_score = None, float("inf")
         for slot in order:  # oldest first: a strict < keeps the LRU slot among equal scores
             key = key_of[slot]
@@ -109,11 +109,13 @@ class StaticRule(EvictionRule):
     def __init__(self, hot: set[Key]) -> None:
         self.hot = hot
 
-    def victim(self, order: OrderedDict, key_of: list) -> int | None:
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+        first = None
         for slot in order:
             if key_of[slot] not in self.hot:
                 return slot
-        return next(iter(order), None)
+            first = slot if first is None else first
+        return first
 
 
 def hot_set(seed: dict[Key, float], size: int) -> set[Key]:
