@@ -14,6 +14,9 @@ import pytest
 import torch
 from tiny import reference_model
 
+from typer.testing import CliRunner
+
+from moespec.cli.app import app
 from moespec.config import CachePolicy, Predictor, RuntimeConfig
 from moespec.errors import CalibrationError
 from moespec.runtime.cache_policy import LFRU_DECAY, hot_set, make_rule, resolve_policy, seed_from_frequencies
@@ -128,13 +131,17 @@ def test_bytes_at_most_on_demand_plus_wrong_predictions(policy):
     assert pred.hit_rate() > ondemand.hit_rate()
 
 
-def test_seeded_policy_without_calibration_is_a_typed_error(tiny_models):
-    folder = tiny_models["qwen3_moe"]
+def test_seeded_policy_without_calibration_is_a_typed_error(tmp_path):
+    from tiny import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "m", "qwen3_moe")  # fresh: no calibration file anywhere
     assert resolve_policy(None, folder, None) == CachePolicy.LRU  # the default falls back without a file
     for policy in (CachePolicy.LFU, CachePolicy.LFRU, CachePolicy.STATIC):
         with pytest.raises(CalibrationError) as err:
             resolve_policy(policy, folder, None)
         assert "moespec calibrate" in err.value.hint and policy.value in err.value.message
+    res = CliRunner().invoke(app, ["chat", str(folder), "--cache-policy", "lfru", "--prompt", "hi"])
+    assert res.exit_code != 0 and "moespec calibrate" in res.output and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("policy", list(CachePolicy))

@@ -45,6 +45,9 @@ def calibrate(
     expert_dtype: str = ExpertDtype,
     seed: int = Seed,
     threads: Optional[int] = Threads,
+    cache_policy: str = typer.Option("lru,lfu,lfru,static", "--cache-policy",
+                                     help="Cache policies whose hit rate on the held-out tokens the report shows "
+                                          "(comma list of lru, lfu, lfru, static)."),
 ) -> None:
     import time
     from pathlib import Path
@@ -60,7 +63,8 @@ def calibrate(
     from moespec.runtime.offload import load_offloaded
 
     set_threads(threads)
-    cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
+    cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed,
+                          policies=_policies(cache_policy))
     rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,
                                 predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None)
@@ -91,6 +95,17 @@ def calibrate(
         om.close()
     save_calibration(target, result.calibration)
     _render(result, plan, elapsed, target)
+
+
+def _policies(text: str):
+    from moespec.cli.runtime_opts import enum_option
+    from moespec.config import CachePolicy
+    from moespec.errors import OptionError
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise OptionError("--cache-policy is empty", "e.g. --cache-policy lru,lfru")
+    return tuple(dict.fromkeys(enum_option(CachePolicy, n, "--cache-policy") for n in names))
 
 
 def _resolve(model: Optional[str]):
@@ -169,6 +184,17 @@ def _render(result, plan, elapsed: float, target) -> None:
     alts = ", ".join(f"{k} {v:.3f}" for k, v in alt.items())
     out.print(f"mean recall@{calib.meta['top_k']}: router {r_router:.3f} · quasi {r_quasi:.3f} "
               f"(default vectors: {calib.variant}; {alts})", soft_wrap=True)
+    if result.policy_hit_rates:
+        from moespec.calibrate.policy_report import FRACTIONS, MAX_TOKENS
+
+        hits = Table(title=f"cache hit rate on-demand, first {MAX_TOKENS} held-out tokens replayed",
+                     caption="seeded policies use this file's frequencies (calibration tokens only)")
+        hits.add_column("policy")
+        for frac in FRACTIONS:
+            hits.add_column(f"{frac:.1%} of experts", justify="right")
+        for name, rates in result.policy_hit_rates.items():
+            hits.add_row(name, *(f"{r:.3f}" for r in rates))
+        out.print(hits)
     rate = calib.meta["tokens"] / result.calib_s if result.calib_s > 0 else 0.0
     per_100k = 1e5 / rate if rate else float("nan")
     out.print(f"calibration pass {result.calib_s:.1f} s ({rate:,.0f} tok/s, {per_100k:.1f} s per 100k tokens); "
