@@ -204,3 +204,17 @@ def test_prefetch_never_takes_a_pinned_or_in_flight_slot(tiny_models):
     finally:
         om.close()
     assert seen["prefetch"] > 0
+
+
+def test_landed_is_false_while_a_copy_can_still_write_its_slot():
+    from moespec.runtime.transfer import ThreadTransferEngine
+
+    engine = ThreadTransferEngine(link_gbps=1e-6)  # 4 KB at 1 kB/s: the first copy runs ~4 s
+    src, dst = torch.ones(1024), torch.zeros(2, 1024)
+    first = engine.submit(dst[0], src, 0)
+    queued = engine.submit(dst[1], src, 1, prefetch=True)
+    assert not engine.landed(first) and not engine.landed(queued)
+    assert engine.cancel(queued) and engine.landed(queued)  # cancelled: it will never write
+    engine.wait(first)
+    assert engine.landed(first)
+    engine.close()

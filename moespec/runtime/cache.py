@@ -38,7 +38,8 @@ from typing import Callable
 
 import torch
 
-from moespec.runtime.cache_policy import CachePolicy, EvictionRule
+from moespec.config import CachePolicy
+from moespec.runtime.cache_policy import EvictionRule
 from moespec.runtime.store import ExpertStore
 from moespec.runtime.transfer import Span, Ticket, TransferEngine
 
