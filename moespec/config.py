@@ -29,6 +29,24 @@ class ExecuteMode(str, enum.Enum):
     GUARDED = "guarded"  # true router; fetch a miss only if its weight >= fetch_threshold
 
 
+class CachePolicy(str, enum.Enum):
+    """Which expert the cache area evicts (runtime/cache_policy.py, ``--cache-policy``)."""
+
+    LRU = "lru"  # least recently used
+    LFU = "lfu"  # least frequently used, seeded from calibration frequencies
+    LFRU = "lfru"  # frequency decayed by recency, seeded from calibration frequencies
+    STATIC = "static"  # a per-layer hot set from calibration frequencies is never evicted; LRU else
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when the rule is seeded from the calibration file's expert frequencies."""
+        return self != CachePolicy.LRU
+
+
+# Measured on the default model (README, "Cache policies"): used when a calibration file is found.
+DEFAULT_CACHE_POLICY = CachePolicy.LFRU
+
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -77,6 +95,8 @@ class RuntimeConfig:
         link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
         calibration_path: calibration file for the quasi predictor (None = look next to the model).
         estimator_path: estimator file for the estimator/hybrid predictors (None = found automatically).
+        cache_policy: eviction rule of the expert cache; None = DEFAULT_CACHE_POLICY when the model
+            has a calibration file, else LRU (a seeded policy needs its frequencies).
         expert_dtype: "auto" keeps the checkpoint's expert format (GPT-OSS MXFP4 stays packed in host
             memory and is dequantised on the device after each copy); a dtype name (e.g. "bf16")
             dequantises packed experts once at load into that dtype, which must be the compute dtype;
@@ -97,6 +117,7 @@ class RuntimeConfig:
     estimator_path: str | None = None
     expert_dtype: str = "auto"
     group_size: int | None = None
+    cache_policy: CachePolicy | None = None
 
     def __post_init__(self) -> None:
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -29,12 +30,20 @@ def test_calibrate_writes_the_file_chat_finds(tiny_models, text_file):
     target = default_calibration_path(folder)
     assert f"wrote {target}" in res.output.replace("\n", "")
     assert "mean recall@2: router" in res.output and "per 100k tokens" in res.output
+    assert "cache hit rate on-demand" in res.output
+    for policy in ("lru", "lfu", "lfru", "static"):  # a row with three rates in [0, 1]
+        assert re.search(rf"│ {policy} +│ +[01]\.\d{{3}} │ +[01]\.\d{{3}} │ +[01]\.\d{{3}} │", res.output), policy
     calib = load_calibration(target)
     assert calib.meta["tokens"] == 300 and str(text_file) in calib.meta["data"]
 
     res = runner.invoke(app, ["chat", str(folder), "--predictor", "quasi", "--prompt", "hi", "--max-new-tokens", "3", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output.strip().splitlines()[-1])["stats"]["recall"] is not None
+    # with the file, the seeded cache policies load (and name themselves in the chat header)
+    res = runner.invoke(app, ["chat", str(folder), "--cache-policy", "static", "--cache-experts", "8",
+                              "--prompt", "hi", "--max-new-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    assert "cache policy static" in res.output.replace("\n", " ") and "ms/tok · static" in res.output
 
 
 def test_calibrate_with_the_builtin_text(tiny_models, tmp_path):

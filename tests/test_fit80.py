@@ -123,13 +123,16 @@ def test_stats_table_fits_80():
         layers = {i: LayerStats(hits=3, misses=1, prefetched=4, prefetch_wasted=1, h2d_bytes=123_456_789,
                                 stall_ms=1234.5, compute_ms=987.6, recall_hits=3, recall_total=4) for i in range(30)}
         steps.append(StepStats(kind="decode", tokens=1, wall_ms=100.0, layers=layers))
-    session = SimpleNamespace(engine=SimpleNamespace(om=SimpleNamespace(recorder=SimpleNamespace(steps=steps))),
-                              last=None)
+    from moespec.config import CachePolicy
+
+    om = SimpleNamespace(recorder=SimpleNamespace(steps=steps), cache=SimpleNamespace(policy=CachePolicy.STATIC))
+    session = SimpleNamespace(engine=SimpleNamespace(om=om), last=None)
     c = console()
     _print_stats(session, c)
     out = text_of(c)
     assert_fits(out)
     assert "per layer and token" in out and "123.457" in out and "1234.50" in out and "0.75" in out
+    assert "static" in out  # the title names the cache policy
 
 
 def test_train_estimator_bars_fit_80():

@@ -163,3 +163,14 @@ def test_ctrl_c_mid_run_writes_nothing(model, tmp_path, monkeypatch):
 def test_load_report_roundtrip(profiled):
     out, rep, _ = profiled
     assert load_report(out / "r.json")["results"] == rep["results"]
+
+
+def test_hit_rate_per_layer_and_policy(profiled):
+    """Without a calibration file only lru is replayed; the runs used lru; every layer has a rate."""
+    _, rep, output = profiled
+    assert rep["options"]["cache_policy"] == "lru"
+    replays = rep["policy_hit_rates"]["8"]
+    assert list(replays) == ["lru"]
+    assert len(replays["lru"]["per_layer"]) == LAYERS
+    assert 0.0 <= replays["lru"]["hit_rate"] <= 1.0
+    assert "hit rate per layer" in output and "replay" in output

@@ -75,9 +75,11 @@ class RecallObserver:
         self.predictors = predictors
         self.counts: dict[str, dict[int, RecallCounts]] = {name: {} for name in predictors}
         self._pending: dict[int, dict[str, tuple[torch.Tensor, Routing]]] = {}  # target layer -> name -> (q, pred)
+        self.ids: dict[int, list[torch.Tensor]] = {}  # layer -> true ids [T, K] per chunk (cache policy replay)
 
     def routing(self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, routing: Routing) -> None:
         """Score the predictions made for ``layer``; then predict the next MoE layer from r_l."""
+        self.ids.setdefault(layer, []).append(routing.ids.detach().cpu())
         for name, (state, pred) in self._pending.pop(layer, {}).items():
             c = self.counts[name].setdefault(layer, RecallCounts())
             hits, total, whit, wtot = routing_hits(pred, routing)

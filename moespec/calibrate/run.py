@@ -11,7 +11,7 @@ experts layer by layer through the cache.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -20,7 +20,9 @@ from moespec.calibrate.collect import VARIANTS, DefaultVectorCollector, DefaultV
 from moespec.calibrate.data import ChunkPlan
 from moespec.calibrate.file import Calibration, config_hash, finite_mean, router_fingerprint
 from moespec.calibrate.locate import model_key
+from moespec.calibrate.policy_report import held_out_trace, policy_hit_rates
 from moespec.calibrate.recall import RecallObserver
+from moespec.config import CachePolicy
 from moespec.predict.base import LayerRef, NextLayerPredictor, RouterPredictor
 from moespec.predict.quasi import QuasiPredictor
 from moespec.runtime.engine import Engine
@@ -49,12 +51,14 @@ class CalibrateConfig:
         heldout_tokens: tokens to measure recall on; None = a tenth of ``tokens``, at least one chunk.
         seq_len: tokens per chunk, each run as one prefill pass (``--seq-len``).
         seed: shuffles the documents of a folder or .jsonl (``--seed``).
+        policies: cache policies whose held-out hit rates the report shows (``--cache-policy``).
     """
 
     tokens: int = 100_000
     heldout_tokens: int | None = None
     seq_len: int = 512
     seed: int = 0
+    policies: tuple[CachePolicy, ...] = tuple(CachePolicy)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class CalibrationRun:
     calibration: Calibration
     calib_s: float
     heldout_s: float
+    policy_hit_rates: dict[str, list[float]] = field(default_factory=dict)  # policy -> at 12.5/25/50 %
 
 
 def layer_refs(om: OffloadedModel) -> list[LayerRef]:
@@ -108,10 +113,15 @@ def collect_default_vectors(om: OffloadedModel, chunks: list[list[int]], progres
 
 
 def measure_recall(om: OffloadedModel, chunks: list[list[int]], predictors: dict[str, NextLayerPredictor],
-                   progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Pass 2: "<metric>/<predictor>" -> [M] float32 per predicted MoE layer (NaN for the first)."""
+                   progress: Progress | None = None, ids_out: dict | None = None) -> dict[str, torch.Tensor]:
+    """Pass 2: "<metric>/<predictor>" -> [M] float32 per predicted MoE layer (NaN for the first).
+
+    ``ids_out`` (optional) receives the true ids, layer -> [T, K] per chunk.
+    """
     observer = RecallObserver(om.adapter, predictors)
     run_chunks(om, chunks, observer, "heldout", progress)
+    if ids_out is not None:
+        ids_out.update(observer.ids)
     layers = om.store.moe_layers
     out = {}
     for name, per_layer in observer.counts.items():
@@ -157,8 +167,11 @@ def calibrate(om: OffloadedModel, plan: ChunkPlan, cfg: CalibrateConfig, data: s
     t0 = time.perf_counter()
     dv = collect_default_vectors(om, plan.calib, progress)
     t1 = time.perf_counter()
-    metrics = measure_recall(om, plan.heldout, calibration_predictors(om, dv), progress)
+    ids: dict = {}
+    metrics = measure_recall(om, plan.heldout, calibration_predictors(om, dv), progress, ids)
     t2 = time.perf_counter()
+    hit_rates = policy_hit_rates(held_out_trace(ids), dv.layers, dv.frequencies, om.adapter.top_k(),
+                                 list(cfg.policies))
     variant = choose_variant(metrics)
     for metric in METRICS:
         metrics[f"{metric}/quasi"] = metrics[f"{metric}/quasi_{variant}"].clone()
@@ -179,4 +192,4 @@ def calibrate(om: OffloadedModel, plan: ChunkPlan, cfg: CalibrateConfig, data: s
     }
     calib = Calibration(layers=dv.layers, default_vectors=dv.vectors, variant=variant, frequencies=dv.frequencies,
                         unrouted=dv.unrouted, metrics=metrics, meta=meta)
-    return CalibrationRun(calib, calib_s=t1 - t0, heldout_s=t2 - t1)
+    return CalibrationRun(calib, calib_s=t1 - t0, heldout_s=t2 - t1, policy_hit_rates=hit_rates)

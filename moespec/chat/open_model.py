@@ -35,7 +35,8 @@ class OpenedModel:
         return (f"{self.path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
                 f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of "
                 f"{om.store.expert_bytes / 1e6:.2f} MB ({expert_format(om.store.layout, om.dtype)}) on "
-                f"{om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}")
+                f"{om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}, "
+                f"cache policy {om.cache.policy.value}")
 
     def close(self) -> None:
         """Stop the runtime's background work."""

@@ -51,6 +51,9 @@ def calibrate(
     group_size: Optional[int] = GroupSize,
     seed: int = Seed,
     threads: Optional[int] = Threads,
+    cache_policy: str = typer.Option("lru,lfu,lfru,static", "--cache-policy",
+                                     help="Cache policies whose hit rate on the held-out tokens the report shows "
+                                          "(comma list of lru, lfu, lfru, static)."),
 ) -> None:
     import time
     from pathlib import Path
@@ -68,7 +71,8 @@ def calibrate(
     set_threads(threads)
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
     tokens = DEFAULT_TOKENS if tokens is None else tokens
-    cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed)
+    cfg = CalibrateConfig(tokens=tokens, heldout_tokens=heldout_tokens, seq_len=seq_len, seed=seed,
+                          policies=_policies(cache_policy))
     rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size,
                                 gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,
@@ -100,6 +104,17 @@ def calibrate(
         om.close()
     save_calibration(target, result.calibration)
     _render(result, plan, elapsed, target)
+
+
+def _policies(text: str):
+    from moespec.cli.runtime_opts import enum_option
+    from moespec.config import CachePolicy
+    from moespec.errors import OptionError
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise OptionError("--cache-policy is empty", "e.g. --cache-policy lru,lfru")
+    return tuple(dict.fromkeys(enum_option(CachePolicy, n, "--cache-policy") for n in names))
 
 
 def _resolve(model: Optional[str]):
@@ -184,6 +199,19 @@ def _render(result, plan, elapsed: float, target) -> None:
     alts = ", ".join(f"{k} {v:.3f}" for k, v in alt.items())
     out.print(f"mean recall@{calib.meta['top_k']}: router {r_router:.3f} · quasi {r_quasi:.3f} "
               f"(default vectors: {calib.variant}; {alts})", soft_wrap=True)
+    if result.policy_hit_rates:
+        from rich.table import Table  # 4 narrow columns: fits 80 columns as it is
+
+        from moespec.calibrate.policy_report import FRACTIONS, MAX_TOKENS
+
+        hits = Table(title=f"cache hit rate on-demand, first {MAX_TOKENS} held-out tokens replayed",
+                     caption="seeded policies use this file's frequencies (calibration tokens only)")
+        hits.add_column("policy")
+        for frac in FRACTIONS:
+            hits.add_column(f"{frac:.1%} of experts", justify="right")
+        for name, rates in result.policy_hit_rates.items():
+            hits.add_row(name, *(f"{r:.3f}" for r in rates))
+        out.print(hits)
     rate = calib.meta["tokens"] / result.calib_s if result.calib_s > 0 else 0.0
     per_100k = 1e5 / rate if rate else float("nan")
     out.print(f"calibration pass {result.calib_s:.1f} s ({rate:,.0f} tok/s, {per_100k:.1f} s per 100k tokens); "

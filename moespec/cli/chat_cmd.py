@@ -9,9 +9,10 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
-                                FetchThreshold, Flag, GpuMemory, GroupSize, LinkGbps, ModelArg, PredictorOpt, Seed,
-                                Threads, err_console, handles_errors, register_command, set_threads)
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
+                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, LinkGbps, ModelArg,
+                                PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
+                                set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -62,6 +63,7 @@ def chat(
     predictor: str = PredictorOpt,
     execute: str = ExecuteOpt,
     fetch_threshold: float = FetchThreshold,
+    cache_policy: Optional[str] = CachePolicyOpt,
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
@@ -89,6 +91,7 @@ def chat(
         device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        cache_policy=cache_policy,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)
@@ -159,7 +162,7 @@ def _one_shot(session, prompt: str, json_out: bool, out) -> None:
         raise
     out.print()
     _note_system_merged(session)
-    err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+    err_console.print(f"[dim]{_footer(session)}[/]")
 
 
 def _read_line() -> Optional[str]:
@@ -242,7 +245,12 @@ def _answer(session, text: str, out) -> None:
         return
     out.print()
     _note_system_merged(session)
-    err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+    err_console.print(f"[dim]{_footer(session)}[/]")
+
+
+def _footer(session) -> str:
+    """The summary line of the last answer, naming the cache policy."""
+    return session.last.summary.footer(policy=session.engine.om.cache.policy.value)
 
 
 def _recover(session, pieces) -> None:
@@ -294,5 +302,7 @@ def _print_stats(session, out) -> None:
             col("recall\n@K", lambda st: st.recall_hits / st.recall_total if st.recall_total else None),
             col("H2D\nMB", lambda st: st.h2d_bytes / n / 1e6, ".3f"), col("stall\nms", lambda st: st.stall_ms / n),
             col("compute\nms", lambda st: st.compute_ms / n)]
-    for table in fit_tables(f"last answer: {n} decode tokens, per layer and token", key, cols, out.width):
+    policy = session.engine.om.cache.policy.value
+    title = f"last answer: {n} decode tokens, per layer and token (cache policy {policy})"
+    for table in fit_tables(title, key, cols, out.width):
         out.print(table)

@@ -109,6 +109,10 @@ ExpertDtype = typer.Option("auto", "--expert-dtype",
 GroupSize = typer.Option(None, "--group-size",
                          help="int8/int4: weights per scale and zero point (default 64); must divide I*H.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
+CachePolicyOpt = typer.Option(
+    None, "--cache-policy",
+    help="Expert cache eviction: lru, lfu, lfru or static (lfu/lfru/static read the calibration file's expert "
+         "frequencies). Default: lfru when the model has a calibration file, else lru.")
 FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
 Seed = typer.Option(0, "--seed", help="Random seed.")
 ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")

@@ -7,9 +7,9 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, Flag, GpuMemory,
-                                GroupSize, LinkGbps, Seed, Threads, err_console, handles_errors, register_command,
-                                set_threads)
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold,
+                                Flag, GpuMemory, GroupSize, LinkGbps, Seed, Threads, err_console, handles_errors,
+                                register_command, set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -80,6 +80,7 @@ def profile(
     warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: float = FetchThreshold,
+    cache_policy: Optional[str] = CachePolicyOpt,
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
@@ -130,7 +131,7 @@ def profile(
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
     report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None, threads, expert_dtype, group_size)
+                             trace is not None, threads, expert_dtype, group_size, cache_policy)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -152,7 +153,7 @@ def profile(
 
 def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
          device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads, expert_dtype="auto",
-         group_size=None):
+         group_size=None, cache_policy=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -169,7 +170,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        expert_dtype=expert_dtype, group_size=group_size)
+        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy)
     set_threads(threads)
     import torch
 
@@ -197,7 +198,7 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
             f"({expert_format(om.store.layout, om.dtype)}) "
-            f"on {om.device}[/]")
+            f"on {om.device}, cache policy {om.cache.policy.value}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
@@ -207,10 +208,26 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
-                   "seed": seed, "threads": torch.get_num_threads()}
-        return build_report(describe(om, model_id), options, pcfg, prof), prof.timelines
+                   "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}
+        report = build_report(describe(om, model_id), options, pcfg, prof)
+        report["policy_hit_rates"] = _policy_hit_rates(om, path, calibration, prof)
+        return report, prof.timelines
     finally:
         om.close()
+
+
+def _policy_hit_rates(om, path, calibration, prof) -> dict:
+    """prompt length (str) -> policy -> hit rates of the exact trace replayed on-demand (profile/policies.py)."""
+    from moespec.errors import CalibrationError
+    from moespec.profile.policies import policy_hit_rates
+    from moespec.runtime.cache_policy import load_seed
+
+    k = om.adapter.top_k()
+    try:
+        seed = load_seed(path, calibration, k)
+    except CalibrationError:
+        seed = None
+    return {str(plen): policy_hit_rates(t.routings, om.cache.num_slots, k, seed) for plen, t in prof.traces.items()}
 
 
 def _resolve(model: Optional[str]) -> tuple[Path, str]:

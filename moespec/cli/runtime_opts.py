@@ -6,7 +6,7 @@ import enum
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
-from moespec.config import ExecuteMode, Predictor, RuntimeConfig, parse_bytes
+from moespec.config import CachePolicy, ExecuteMode, Predictor, RuntimeConfig, parse_bytes
 from moespec.errors import OptionError
 
 E = TypeVar("E", bound=enum.Enum)
@@ -38,8 +38,11 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
-                         group_size: Optional[int] = None) -> RuntimeConfig:
+                         group_size: Optional[int] = None, cache_policy: Optional[str] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
+
+    ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
+    calibration file exists, else lru).
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
     file found automatically.
@@ -55,6 +58,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         cache_experts=cache_experts, predictor=predictor, execute=execute,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size,
+        cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
     )
 
 

@@ -27,7 +27,7 @@ def _header(rep: dict) -> list[str]:
     emu = f" (emulated {link['emulated_gbps']:g})" if link["emulated_gbps"] else ""
     return [f"{m['id']} · {m['moe_layers']} MoE layers × {m['experts']} experts, top-{m['top_k']}",
             f"{m['expert_bytes'] / 1e6:.3f} MB/expert ({m.get('expert_format', m['dtype'])}) · "
-            f"cache {cache['slots']} slots",
+            f"cache {cache['slots']} slots, policy {rep['options'].get('cache_policy', 'lru')}",
             f"{rep['hardware']['device']} ({rep['hardware']['device_name']}) · "
             f"link {link['measured_gbps']:.3g} GB/s{emu}",
             f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × "
@@ -95,9 +95,36 @@ def recall_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
     return fit_tables(f"prompt {plen} tokens: recall@K per layer", key, cols, width)
 
 
+def hit_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
+    """Hit rate per layer (rows): each strategy's run, then each cache policy replaying the exact
+    trace on-demand (``policy_hit_rates``); [] when there is nothing to show."""
+    res = _rows(rep, plen)
+    pol = rep.get("policy_hit_rates", {}).get(str(plen), {})
+    if not res and not pol:
+        return []
+    layers = sorted({p["layer"] for r in res for p in r["per_layer"]} | {int(la) for v in pol.values()
+                                                                           for la in v["per_layer"]})
+
+    def rate(p) -> float | None:
+        return p["hits"] / (p["hits"] + p["misses"]) if p and p["hits"] + p["misses"] > 0 else None
+
+    key = [Column("layer", [str(layer) for layer in layers] + ["all"])]
+    cols = []
+    for r in res:
+        by_layer = {p["layer"]: p for p in r["per_layer"]}
+        cols.append(Column(r["strategy"], [_f(rate(by_layer.get(layer)), ".2f") for layer in layers]
+                           + [_f(r["hit_rate"], ".2f")]))
+    for name, v in pol.items():
+        cols.append(Column(f"{name}\nreplay", [_f(v["per_layer"].get(str(layer)), ".2f") for layer in layers]
+                           + [_f(v["hit_rate"], ".2f")]))
+    policy = rep["options"].get("cache_policy", "?")
+    return fit_tables(f"prompt {plen} tokens: hit rate per layer ({policy} runs; replays)", key, cols, width)
+
+
 _NOTES = ("× none: TPOT / TPOT of none · to floor: TPOT / floor",
           "floor: Σ max(compute, copy of what was missed) · copy share: copy / on-demand time",
-          "oracle replays the exact run's routing (an upper bound)")
+          "oracle replays the exact run's routing (an upper bound)",
+          "<policy> replay: the exact trace through an empty cache of this size, on-demand")
 
 
 def render_report(rep: dict, console: Console, wide: bool = False) -> None:
@@ -107,7 +134,7 @@ def render_report(rep: dict, console: Console, wide: bool = False) -> None:
         console.print(f"[dim]{escape(line)}[/]")
     for plen in dict.fromkeys(r["prompt_len"] for r in rep["results"]):
         for table in (*time_tables(rep, plen, width), *traffic_tables(rep, plen, width),
-                      *recall_tables(rep, plen, width)):
+                      *recall_tables(rep, plen, width), *hit_tables(rep, plen, width)):
             console.print(table)
     for line in _NOTES:
         console.print(f"[dim]{line}[/]")

@@ -83,7 +83,9 @@ REPORT_SCHEMA = {
         "trace": _obj({"source": _STR, "gen": _INT, "prompts": {"type": "array", "items": _obj(
             {"prompt_len": _INT, "token_sha256": _STR})}}),
         "results": {"type": "array", "items": _RESULT},
-    }),
+        "policy_hit_rates": {"type": "object"},  # optional: prompt length -> policy -> hit rates
+    }, required=["schema_version", "kind", "created", "versions", "hardware", "model", "options", "cache", "link",
+                 "trace", "results"]),
 }
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}

@@ -1,19 +1,45 @@
-"""ExpertCache: a fixed pool of device slots holding packed experts, LRU eviction.
+"""ExpertCache: a fixed pool of device slots holding packed experts, a cache area and a prefetch area.
 
 Shapes: S slots, P packed elements per expert.
 
 A slot is pinned (never evicted) while the running layer uses it or while it holds a prefetch
-whose target layer has not run yet; unpinned slots sit in an LRU order (empty slots first).
-Copies go through the TransferEngine; the compute side waits on exactly the slot it reads.
+whose target layer has not run yet. Copies go through the TransferEngine; the compute side waits
+on exactly the slot it reads.
+
+The rule that keeps prefetch from costing more than it saves (issue 16):
+
+- The slots form a **cache area**, whose victims are chosen by the eviction rule
+  (``--cache-policy``, cache_policy.py), and a **prefetch area** of at most ``prefetch_slots``
+  slots (K: one layer's prediction), taken from the cache area the first time a prefetch needs one.
+- A prefetch of a resident expert costs nothing: it only pins the slot it is in.
+- A prefetch that must copy takes a prefetch-area slot that is empty or holds an old unused
+  prediction, never a pinned slot and never one whose copy is still in flight. It never evicts
+  an expert from the cache area.
+- On its first use a prefetched expert is **promoted**: its slot joins the cache area and the
+  cache area's victim (by the rule, the one a demand miss of the same expert would evict at that
+  moment) moves, still holding its expert, to the prefetch area. Experts in the prefetch area
+  (unused predictions, victims) stay usable until a later prefetch overwrites them (empty slots
+  first, then unused predictions, then victims, oldest first); a use promotes them back. So a
+  wrong prediction in steady state overwrites an older wrong prediction, and only a right one
+  overwrites a victim, as its demand miss would have.
+
+So the cache area sees the same uses and evictions as on-demand loading with S - prefetch_slots
+slots, plus a second chance for its last victims, and a predictor moves at most on-demand's
+bytes at that size plus its wasted predictions.
+Demand misses take the rule's victim, or a free prefetch-area slot when every cache-area slot is
+pinned.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from moespec.config import CachePolicy
+from moespec.runtime.cache_policy import EvictionRule
 from moespec.runtime.store import ExpertStore
 from moespec.runtime.transfer import Span, Ticket, TransferEngine
 
@@ -36,28 +62,49 @@ class Acquired:
 
 
 class ExpertCache:
-    """Device-side expert slots over an ExpertStore.
+    """Device-side expert slots over an ExpertStore (cache area + prefetch area, module docstring).
 
     Args:
         store: host store of packed experts.
         num_slots: S, number of device slots.
         device: where the slots live.
         engine: transfer engine that performs the copies.
+        rule: makes the cache area's eviction rule (called again by ``clear``); None = LRU.
+        prefetch_slots: most slots the prefetch area may take (K; capped at S - 1); None = S // 2.
     """
 
-    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device, engine: TransferEngine) -> None:
+    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device, engine: TransferEngine,
+                 rule: Callable[[], EvictionRule] | None = None, prefetch_slots: int | None = None) -> None:
         self.store = store
         self.engine = engine
         self.num_slots = num_slots
+        if prefetch_slots is None:
+            prefetch_slots = num_slots // 2
+        self.prefetch_slots = max(0, min(prefetch_slots, num_slots - 1))
+        self._make_rule = rule or EvictionRule
         self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
-        self._where: dict[Key, int] = {}
-        self._key: list[Key | None] = [None] * num_slots
-        self._pins = [0] * num_slots
-        self._ticket: list[Ticket | None] = [None] * num_slots
-        self._from_prefetch = [False] * num_slots
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
-        self._by_layer: dict[int, set[int]] = {}  # layer -> resident expert ids (for the guard)
         self.copies = 0  # copies issued (demand + prefetch)
+        self._reset()
+
+    def _reset(self) -> None:
+        n = self.num_slots
+        self.rule = self._make_rule()
+        self._where: dict[Key, int] = {}
+        self._key: list[Key | None] = [None] * n
+        self._pins = [0] * n
+        self._ticket: list[Ticket | None] = [None] * n
+        self._from_prefetch = [False] * n
+        self._unused = [False] * n  # filled by a prefetch and not used since
+        self._in_prefetch_area = [False] * n
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))  # evictable cache area
+        self._pf_free: OrderedDict[int, None] = OrderedDict()  # unpinned prefetch-area slots
+        self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
+        self._by_layer: dict[int, set[int]] = {}  # layer -> resident expert ids (for the guard)
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The cache area's eviction policy."""
+        return self.rule.policy
 
     # --- queries -------------------------------------------------------------------------
     def resident(self, key: Key) -> bool:
@@ -76,9 +123,22 @@ class ExpertCache:
         """The key held in ``slot``."""
         return self._key[slot]
 
+    def pinned(self, slot: int) -> bool:
+        """True while ``slot`` is pinned (in use by the running layer or held by a prefetch)."""
+        return self._pins[slot] > 0
+
+    def in_flight(self, slot: int) -> bool:
+        """True while a copy into ``slot`` may still be writing it (never blocks)."""
+        ticket = self._ticket[slot]
+        return ticket is not None and not self.engine.landed(ticket)
+
+    def in_prefetch_area(self, slot: int) -> bool:
+        """True when ``slot`` belongs to the prefetch area."""
+        return self._in_prefetch_area[slot]
+
     def evictable(self) -> int:
         """Number of slots that a new copy could take now."""
-        return len(self._lru)
+        return len(self._lru) - len(self._protected) + len(self._pf_free)
 
     def row(self, slot: int) -> torch.Tensor:
         """The packed expert [P] held in ``slot`` (read it through ``store.layout``)."""
@@ -88,6 +148,17 @@ class ExpertCache:
     def _pin(self, slot: int) -> None:
         self._pins[slot] += 1
         self._lru.pop(slot, None)
+        self._protected.discard(slot)
+        self._pf_free.pop(slot, None)
+
+    def _protect(self, slot: int) -> None:
+        """Pin a resident cache-area slot for a prefetch without touching its place in the eviction
+        order: a prediction is not a use, so a wrong one must not make its expert look recent."""
+        self._pins[slot] += 1
+        if slot in self._lru:
+            self._protected.add(slot)
+        else:
+            self._pf_free.pop(slot, None)
 
     def release(self, slot: int) -> None:
         """Drop one pin of ``slot``; at zero it becomes evictable (most recently used)."""
@@ -95,9 +166,13 @@ class ExpertCache:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self.engine.slot_released(slot)
-            self._lru[slot] = None
+            if slot in self._protected:  # pinned only by a prefetch: it kept its place
+                self._protected.discard(slot)
+                return
+            free = self._pf_free if self._in_prefetch_area[slot] else self._lru
+            free[slot] = None
             if self._key[slot] is None:  # an empty slot is the first to reuse
-                self._lru.move_to_end(slot, last=False)
+                free.move_to_end(slot, last=False)
 
     def _evict_to_empty(self, slot: int) -> None:
         key = self._key[slot]
@@ -106,11 +181,25 @@ class ExpertCache:
             self._by_layer[key[0]].discard(key[1])
         self._key[slot] = None
 
-    def _load(self, key: Key, prefetch: bool = False) -> int | None:
-        """Evict the least recently used unpinned slot and start copying ``key`` into it."""
-        if not self._lru:
-            return None
-        slot, _ = self._lru.popitem(last=False)
+    def _cache_victim(self, settled: bool) -> int | None:
+        """The rule's victim among unpinned cache-area slots (``settled``: none with a copy in flight)."""
+        protected = self._protected
+        order = (s for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
+        return self.rule.victim(order, self._key)
+
+    def _free_prefetch_slot(self) -> int | None:
+        """An unpinned prefetch-area slot whose copy has landed: an empty one, else the oldest unused
+        prediction, else the oldest victim (the one on-demand loading would have evicted first)."""
+        best, best_rank = None, 3
+        for s in self._pf_free:
+            rank = 0 if self._key[s] is None else (1 if self._unused[s] else 2)
+            if rank < best_rank and not self.in_flight(s):
+                best, best_rank = s, rank
+                if rank == 0:
+                    break
+        return best
+
+    def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
         self._evict_to_empty(slot)
         self._key[slot] = key
         self._where[key] = slot
@@ -118,21 +207,43 @@ class ExpertCache:
         self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
         self.copies += 1
         self._pins[slot] = 1
+        self._from_prefetch[slot] = prefetch
+        self._unused[slot] = prefetch
         return slot
 
+    def _load(self, key: Key) -> int | None:
+        """A demand copy of ``key`` into the rule's victim (or a free prefetch-area slot)."""
+        slot = self._cache_victim(settled=False)
+        if slot is not None:
+            del self._lru[slot]
+        else:
+            slot = next(iter(self._pf_free), None)
+            if slot is None:
+                return None
+            del self._pf_free[slot]
+        return self._copy_into(slot, key, prefetch=False)
+
+    def _promote(self, slot: int) -> None:
+        """A prefetched expert is used: its slot joins the cache area, the rule's victim leaves it."""
+        victim = self._cache_victim(settled=True)
+        if victim is None:
+            return  # every cache-area slot is pinned: it stays in the prefetch area for now
+        del self._lru[victim]
+        # The victim keeps its expert until a prefetch overwrites it: a use before that is a hit
+        # (and promotes it back), so the prefetch area costs the cache area less than its size.
+        self._in_prefetch_area[victim] = True
+        self._pf_free[victim] = None
+        self._in_prefetch_area[slot] = False
+
     def clear(self) -> None:
-        """Empty every slot (a cold cache), after all copies finished; no slot may be pinned.
+        """Empty every slot (a cold cache), after all copies finished; no slot may be pinned. The
+        eviction rule starts again from its seed.
 
         For measurements that must start from the same cache state (``moespec profile``).
         """
         assert not any(self._pins), "clear() while slots are pinned"
         self.engine.synchronize()
-        self._where.clear()
-        self._by_layer.clear()
-        self._key = [None] * self.num_slots
-        self._ticket = [None] * self.num_slots
-        self._from_prefetch = [False] * self.num_slots
-        self._lru = OrderedDict((s, None) for s in range(self.num_slots))
+        self._reset()
 
     def abort(self) -> None:
         """After an interrupted forward (Ctrl-C): cancel queued copies, drop every pin.
@@ -151,13 +262,15 @@ class ExpertCache:
         self.engine.synchronize()  # a CUDA stream cannot drop copies: let them land
         for slot in range(self.num_slots):
             if self._pins[slot]:
-                self._pins[slot] = 0
-                self.engine.slot_released(slot)
-                self._lru[slot] = None
+                self._pins[slot] = 1
+                self.release(slot)  # back to its area's free order (a protected slot is already there)
             self._ticket[slot] = None  # every copy has landed or was dropped
             self._from_prefetch[slot] = False
-            if self._key[slot] is None:
-                self._lru.move_to_end(slot, last=False)  # empty slots are reused first
+            self._unused[slot] = False
+            if self._key[slot] is None:  # empty slots are reused first
+                free = self._pf_free if self._in_prefetch_area[slot] else self._lru
+                if slot in free:
+                    free.move_to_end(slot, last=False)
 
     # --- the two ways in -------------------------------------------------------------------
     def acquire(self, key: Key) -> Acquired | None:
@@ -169,26 +282,43 @@ class ExpertCache:
         slot = self._where.get(key)
         if slot is not None:
             self._pin(slot)
+            self.rule.used(key)
             prefetched = self._from_prefetch[slot]
             self._from_prefetch[slot] = False
+            self._unused[slot] = False
+            if self._in_prefetch_area[slot]:
+                self._promote(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)
         slot = self._load(key)
-        return None if slot is None else Acquired(slot, hit=False, prefetched=False)
+        if slot is None:
+            return None
+        self.rule.used(key)
+        return Acquired(slot, hit=False, prefetched=False)
 
     def prefetch(self, key: Key) -> tuple[int, bool] | None:
         """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no room).
 
-        The pin protects the slot until the caller releases it after the target layer ran.
+        A resident ``key`` is only pinned (no copy, nothing evicted). Otherwise the copy goes into
+        a free prefetch-area slot (growing the area up to ``prefetch_slots`` from the cache area's
+        victim); it never takes a pinned or in-flight slot. The pin protects the slot until the
+        caller releases it after the target layer ran.
         """
         slot = self._where.get(key)
         if slot is not None:
-            self._pin(slot)
+            self._protect(slot)
             return slot, False
-        slot = self._load(key, prefetch=True)
-        if slot is None:
+        slot = self._free_prefetch_slot()
+        if slot is not None:
+            del self._pf_free[slot]
+        elif sum(self._in_prefetch_area) < self.prefetch_slots:
+            slot = self._cache_victim(settled=True)
+            if slot is None:
+                return None
+            del self._lru[slot]
+            self._in_prefetch_area[slot] = True
+        else:
             return None
-        self._from_prefetch[slot] = True
-        return slot, True
+        return self._copy_into(slot, key, prefetch=True), True
 
     def cancel_prefetch(self, slot: int) -> bool:
         """Cancel the not-yet-started prefetch copy into ``slot``; the slot becomes empty.

@@ -218,6 +218,21 @@ def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], c
     return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
 
 
+def _rule_factory(cfg: RuntimeConfig, path: Path, top_k: int, slots: int):
+    """What makes the cache's eviction rule (``--cache-policy``; seeded ones read the calibration file).
+
+    Raises:
+        CalibrationError: a seeded policy asked for without a calibration file.
+    """
+    from functools import partial
+
+    from moespec.runtime.cache_policy import load_seed, make_rule, resolve_policy
+
+    policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
+    seed = load_seed(path, cfg.calibration_path, top_k) if policy.needs_calibration else None
+    return partial(make_rule, policy, seed, slots, top_k)
+
+
 def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder | None = None) -> OffloadedModel:
     """Load the checkpoint folder ``path`` for offloaded inference.
 
@@ -243,10 +258,11 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
+    rule = _rule_factory(cfg, path, adapter.top_k(), slots)  # a missing calibration file fails here
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = make_transfer_engine(device, slots, cfg.link_gbps)
-    cache = ExpertCache(store, slots, device, engine)
+    cache = ExpertCache(store, slots, device, engine, rule, prefetch_slots=adapter.top_k())
     recorder = recorder or NullRecorder()
     _wire_recorder(recorder, engine)
     runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)

@@ -211,12 +211,19 @@ class Summary:
     skipped_per_token: float
     reused_tokens: int = 0
 
-    def footer(self) -> str:
+    def footer(self, policy: str | None = None) -> str:
         """One line for the chat UI, at most 80 characters for any value below 10,000 (3 significant
-        digits, e.g. ``11.6 tok/s · TPOT 86.2 ms · recall@K 0.82 · H2D 0.00 MB/tok · stall 0.00 ms/tok``)."""
+        digits, e.g. ``11.6 tok/s · TPOT 86.2 ms · recall@K 0.82 · H2D 0.00 MB/tok · stall 0.00 ms/tok``).
+
+        With ``policy`` (the cache policy's name: lru, lfu, lfru or static) the line ends with it and
+        leaves out tok/s (TPOT says the same for decode), so it still fits 80 columns.
+        """
         rec = "n/a" if self.recall is None else f"{self.recall:.2f}"
-        return (f"{_short(self.tokens_per_s)} tok/s · TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · "
-                f"H2D {_short(self.h2d_mb_per_token)} MB/tok · stall {_short(self.stall_ms_per_token)} ms/tok")
+        rest = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB/tok · "
+                f"stall {_short(self.stall_ms_per_token)} ms/tok")
+        if policy is None:
+            return f"{_short(self.tokens_per_s)} tok/s · {rest}"
+        return f"{rest} · {policy}"
 
 
 def _short(x: float) -> str:

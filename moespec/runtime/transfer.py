@@ -108,6 +108,11 @@ class TransferEngine:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
         raise NotImplementedError
 
+    def landed(self, ticket: Ticket) -> bool:
+        """True when ``ticket``'s copy can no longer write its slot (finished, waited or cancelled);
+        never blocks. The cache gives a prefetch only slots whose copy landed."""
+        return ticket.cancelled or ticket.waited
+
     def slot_released(self, slot: int) -> None:
         """Compute has issued its last read of ``slot``: later copies into it must wait for that."""
 
@@ -239,6 +244,9 @@ class ThreadTransferEngine(TransferEngine):
         if self._error is not None:
             raise self._error
         return Span(t0, time.perf_counter())
+
+    def landed(self, ticket: Ticket) -> bool:
+        return ticket.cancelled or ticket.waited or ticket.done.is_set()
 
     def mark(self) -> float:
         return time.perf_counter()

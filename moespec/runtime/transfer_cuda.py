@@ -273,6 +273,13 @@ class CudaTransferEngine(TransferEngine):
         b.record(end, compute)
         return Span(a, end)
 
+    def landed(self, ticket: Ticket) -> bool:
+        if ticket.cancelled or ticket.waited:
+            return True
+        with self._cv:  # done is None while the copy waits in the host queue
+            done = ticket.done
+        return done is not None and self.backend.query(done)
+
     def slot_released(self, slot: int) -> None:
         if self._free[slot] is None:
             self._free[slot] = self.backend.event()

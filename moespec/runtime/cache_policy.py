@@ -1,0 +1,209 @@
+"""Eviction rules of the expert cache (``--cache-policy lru|lfu|lfru|static``).
+
+Shapes: M MoE layers, E experts per layer, K top-k.
+
+A rule only picks the victim among the cache's evictable slots (unpinned, cache area) and learns
+from each use; the cache (cache.py) owns slots, pins and copies. Scores are in "expected uses per
+token at the key's layer", so keys of different layers compare.
+
+- ``lru``: the least recently released slot.
+- ``lfu``: the fewest uses; counts seeded with the calibration file's frequencies (per-token use
+  probability x ``SEED_TOKENS`` pseudo-tokens) and incremented on every use; ties go to LRU order.
+- ``lfru``: frequency with recency decay: a key's count decays by ``LFRU_DECAY`` per visit of its
+  layer (one visit = K uses of the layer) and gains 1 per use; seeded with p / (1 - decay), its
+  stationary value. Ties go to LRU order.
+- ``static``: a hot set of the ``hot_slots`` most frequent (layer, expert) keys of the calibration
+  file (the frequency placement of KTransformers' GPU experts) is never evicted once loaded;
+  everything else is LRU. ``hot_slots`` = slots - 2K, so the running layer and one layer's
+  prefetch always have room.
+
+Empty slots are always taken first. Source of the frequency rules: O'Neil et al., "The LRU-K page
+replacement algorithm" (1993) and Lee et al., "LRFU" (2001), which the decayed count follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy
+
+Key = tuple[int, int]  # (decoder layer index, expert id)
+
+SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
+LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
+
+
+class EvictionRule:
+    """LRU: the victim is the first of ``order`` (slots in release order, oldest and empties first)."""
+
+    policy = CachePolicy.LRU
+
+    def used(self, key: Key) -> None:
+        """``key`` was acquired for compute (a hit or a miss)."""
+
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+        """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
+        return next(iter(order), None)
+
+
+class LfuRule(EvictionRule):
+    """Least frequently used, seeded from calibration use probabilities ``seed`` (key -> uses/token)."""
+
+    policy = CachePolicy.LFU
+
+    def __init__(self, seed: dict[Key, float]) -> None:
+        self.count = {k: p * SEED_TOKENS for k, p in seed.items()}
+
+    def used(self, key: Key) -> None:
+        self.count[key] = self.count.get(key, 0.0) + 1.0
+
+    def score(self, key: Key) -> float:
+        """Retention value of ``key`` (higher is kept)."""
+        return self.count.get(key, 0.0)
+
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+        best, best_score = None, float("inf")
+        for slot in order:  # oldest first: a strict < keeps the LRU slot among equal scores
+            key = key_of[slot]
+            if key is None:
+                return slot
+            s = self.score(key)
+            if s < best_score:
+                best, best_score = slot, s
+        return best
+
+
+class LfruRule(LfuRule):
+    """Frequency decayed by recency: count x LFRU_DECAY^(visits of the layer since the last use) + 1 per use."""
+
+    policy = CachePolicy.LFRU
+
+    def __init__(self, seed: dict[Key, float], top_k: int) -> None:
+        self.top_k = top_k
+        self.count = {k: p / (1.0 - LFRU_DECAY) for k, p in seed.items()}
+        self.stamp: dict[Key, int] = {}  # key -> layer uses when its count was last brought up to date
+        self.uses: dict[int, int] = {}  # layer -> uses so far
+
+    def _decayed(self, key: Key, now: int) -> float:
+        age = now - self.stamp.get(key, 0)
+        return self.count.get(key, 0.0) * LFRU_DECAY ** (age / self.top_k)
+
+    def used(self, key: Key) -> None:
+        now = self.uses.get(key[0], 0) + 1  # the layer's clock advances by one use
+        self.uses[key[0]] = now
+        self.count[key] = self._decayed(key, now) + 1.0
+        self.stamp[key] = now
+
+    def score(self, key: Key) -> float:
+        return self._decayed(key, self.uses.get(key[0], 0))
+
+
+class StaticRule(EvictionRule):
+    """LRU over everything but ``hot`` keys, which are kept once loaded (unless nothing else can go)."""
+
+    policy = CachePolicy.STATIC
+
+    def __init__(self, hot: set[Key]) -> None:
+        self.hot = hot
+
+    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+        first = None
+        for slot in order:
+            if key_of[slot] not in self.hot:
+                return slot
+            first = slot if first is None else first
+        return first
+
+
+def hot_set(seed: dict[Key, float], size: int) -> set[Key]:
+    """The ``size`` keys with the highest use probability (ties: lower layer, then lower id)."""
+    ranked = sorted(seed, key=lambda k: (-seed[k], k))
+    return set(ranked[: max(size, 0)])
+
+
+def make_rule(policy: CachePolicy, seed: dict[Key, float] | None, num_slots: int, top_k: int) -> EvictionRule:
+    """The eviction rule for ``policy``.
+
+    Args:
+        seed: (layer, expert) -> use probability per token (from :func:`seed_from_frequencies`);
+            required for every policy but lru.
+        num_slots: S, cache slots (static keeps S - 2K hot keys).
+        top_k: K.
+
+    Raises:
+        ValueError: a seeded policy without ``seed`` (the CLI checks this first, with
+        :func:`resolve_policy`).
+    """
+    if policy == CachePolicy.LRU:
+        return EvictionRule()
+    if seed is None:
+        raise ValueError(f"cache policy {policy.value} needs calibration frequencies")
+    if policy == CachePolicy.LFU:
+        return LfuRule(seed)
+    if policy == CachePolicy.LFRU:
+        return LfruRule(seed, top_k)
+    return StaticRule(hot_set(seed, num_slots - 2 * top_k))
+
+
+def seed_from_frequencies(layers: list[int], frequencies: torch.Tensor, top_k: int) -> dict[Key, float]:
+    """Use probability per token of each (decoder layer, expert): frequencies [M, E] (top-K
+    memberships over the calibration tokens) normalised so each layer's row sums to K."""
+    f = frequencies.double()  # [M, E]
+    p = f / f.sum(dim=1, keepdim=True).clamp_min(1.0) * top_k  # [M, E]
+    return {(layer, e): float(p[m, e]) for m, layer in enumerate(layers) for e in range(p.shape[1])}
+
+
+def load_seed(model_path: str | Path, explicit: str | None, top_k: int) -> dict[Key, float]:
+    """The seed of a frequency policy from the model's calibration file.
+
+    Raises:
+        CalibrationError: no calibration file (names `moespec calibrate`) or an unreadable one.
+    """
+    from moespec.calibrate.file import load_calibration
+
+    calib = load_calibration(find_policy_calibration(model_path, explicit))
+    return seed_from_frequencies(list(calib.layers), calib.frequencies, top_k)
+
+
+def find_policy_calibration(model_path: str | Path, explicit: str | None, policy: CachePolicy | None = None) -> Path:
+    """The calibration file a seeded cache policy reads (checked before a model loads).
+
+    Raises:
+        CalibrationError: one line naming `moespec calibrate` and the flag that avoids it.
+    """
+    from moespec.calibrate.locate import find_calibration, model_key
+    from moespec.errors import CalibrationError
+
+    try:
+        return find_calibration(model_path, explicit)
+    except CalibrationError:
+        name = policy.value if policy is not None else "this"
+        raise CalibrationError(
+            f"--cache-policy {name} needs expert frequencies from a calibration file for {model_key(model_path)}",
+            f"run `moespec calibrate {model_key(model_path)}` first, or use --cache-policy lru",
+        ) from None
+
+
+def resolve_policy(asked: CachePolicy | None, model_path: str | Path, explicit: str | None) -> CachePolicy:
+    """The policy to run: ``asked``, or with None DEFAULT_CACHE_POLICY when a calibration file is
+    found (else LRU). Call it before loading a model so a missing file fails fast.
+
+    Raises:
+        CalibrationError: ``asked`` needs a calibration file and none is found (names `moespec calibrate`).
+    """
+    if asked is None:
+        if not DEFAULT_CACHE_POLICY.needs_calibration:
+            return DEFAULT_CACHE_POLICY
+        from moespec.errors import CalibrationError
+
+        try:
+            find_policy_calibration(model_path, explicit)
+        except CalibrationError:
+            return CachePolicy.LRU
+        return DEFAULT_CACHE_POLICY
+    if asked.needs_calibration:
+        find_policy_calibration(model_path, explicit, asked)
+    return asked

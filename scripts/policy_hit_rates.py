@@ -1,0 +1,85 @@
+"""Hit rate of every cache policy at 12.5 / 25 / 50 % of the experts, on held-out routing (issue 16).
+
+Teacher-forces held-out text token by token through the default model (every expert resident, so
+the routing is the model's own), records the routing of each decode step, then replays it through
+the runtime's ExpertCache (cache_replay.py) for each policy and cache size; on-demand and with
+the router predictor's predictions (prefetch area, promotion on use). Prints a table and one JSON
+line. Usage:
+
+  PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from moespec.config import CachePolicy, Predictor, RuntimeConfig
+    from moespec.default_model import ensure_default_model
+    from moespec.profile.trace import load_text
+    from moespec.runtime.cache_policy import load_seed, make_rule
+    from moespec.runtime.cache_replay import replay
+    from moespec.runtime.engine import Engine
+    from moespec.runtime.offload import load_offloaded
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = ensure_default_model(None)
+    om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU))
+    tok = AutoTokenizer.from_pretrained(path)
+    text, _ = load_text(None)
+    ids = tok(text)["input_ids"][: args.prompt + args.tokens]
+    engine = Engine(om)
+    om.runner.record_routing = True
+    trace, preds = [], []
+    pred_hook = om.runner._prefetch_next  # record what the router predictor asks for
+
+    def spy(layer, pred):
+        target = om.runner.predictor.target(layer).layer
+        current.setdefault(target, list(pred.host_ids))
+        pred_hook(layer, pred)
+
+    om.runner._prefetch_next = spy
+    with torch.inference_mode():
+        engine.forward(ids[: args.prompt], "prefill")
+        for t in ids[args.prompt:]:
+            current: dict[int, list[int]] = {}
+            engine.forward([t], "decode")
+            trace.append({layer: r.ids[0].tolist() for layer, r in sorted(om.runner.routings.items())})
+            preds.append(current)
+    k = om.adapter.top_k()
+    total = len(om.store.moe_layers) * om.store.num_experts
+    seed = load_seed(path, None, k)
+    om.close()
+    rows = {}
+    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}")
+    print(f"{'policy':>7} {'mode':>9} " + " ".join(f"{f:>6.1%}" for f in (0.125, 0.25, 0.5)) + "  copies/token @25%")
+    for policy in CachePolicy:
+        for mode, p in (("on-demand", None), ("router", preds)):
+            rates = []
+            for frac in (0.125, 0.25, 0.5):
+                slots = int(total * frac)
+                res = replay(trace, slots, partial(make_rule, policy, seed, slots, k), p, prefetch_slots=k if p else 0)
+                rates.append(res.hit_rate())
+                if frac == 0.25:
+                    copies = res.copies_per_step()
+                    wasted = res.wasted / res.steps
+            rows[f"{policy.value}/{mode}"] = {"hit_rate": rates, "copies_per_token_25": copies,
+                                              "wasted_per_token_25": wasted}
+            print(f"{policy.value:>7} {mode:>9} " + " ".join(f"{r:6.3f}" for r in rates)
+                  + f"  {copies:6.1f} (wasted {wasted:.1f})")
+    print(json.dumps({"tokens": len(trace), "results": rows}))
+
+
+if __name__ == "__main__":
+    main()
