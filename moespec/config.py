@@ -28,6 +28,14 @@ class ExecuteMode(str, enum.Enum):
     GUARDED = "guarded"  # true router; fetch a miss only if its weight >= fetch_threshold
 
 
+class OnMiss(str, enum.Enum):
+    """Where an expert that is not in the device cache runs (design.md, "Runtime": where a miss runs)."""
+
+    FETCH = "fetch"  # copy it into a slot and compute on the device (on-demand loading)
+    HOST = "host"  # compute it on the host from its store row; only its [t, H] output moves
+    AUTO = "auto"  # per miss, whichever the measured costs say finishes first
+
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -64,6 +72,8 @@ class RuntimeConfig:
         expert_dtype: "auto" keeps the checkpoint's expert format (GPT-OSS MXFP4 stays packed in host
             memory and is dequantised on the device after each copy); a dtype name (e.g. "bf16")
             dequantises packed experts once at load into that dtype, which must be the compute dtype.
+        on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
+        host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
     """
 
     device: str = "cpu"
@@ -77,8 +87,13 @@ class RuntimeConfig:
     calibration_path: str | None = None
     estimator_path: str | None = None
     expert_dtype: str = "auto"
+    on_miss: OnMiss = OnMiss.FETCH
+    host_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.host_threads is not None and self.host_threads < 1:
+            raise OptionError(f"--host-threads {self.host_threads} must be at least 1",
+                              "pass --host-threads 1 or more, or leave it out (measured at load)")
         if self.cache_experts is not None and self.cache_experts < 1:
             raise OptionError(f"--cache-experts {self.cache_experts} must be at least 1")
         if self.link_gbps is not None and self.link_gbps <= 0:

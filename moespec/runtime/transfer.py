@@ -100,6 +100,11 @@ class TransferEngine:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
         raise NotImplementedError
 
+    def landed(self, ticket: Ticket) -> bool:
+        """True when the copy of ``ticket`` has finished (a query: never waits)."""
+        done = ticket.done
+        return ticket.cancelled or (done is not None and done.is_set())
+
     def slot_released(self, slot: int) -> None:
         """Compute has issued its last read of ``slot``: later copies into it must wait for that."""
 

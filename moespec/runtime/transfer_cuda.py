@@ -264,6 +264,10 @@ class CudaTransferEngine(TransferEngine):
         b.record(end, compute)
         return Span(a, end)
 
+    def landed(self, ticket: Ticket) -> bool:
+        # A prefetch still in the host queue has no event yet; an issued one is queried (no sync).
+        return ticket.cancelled or (ticket.done is not None and self.backend.query(ticket.done))
+
     def slot_released(self, slot: int) -> None:
         if self._free[slot] is None:
             self._free[slot] = self.backend.event()
