@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold, GpuMemory,
-                                LinkGbps, ModelArg, Seed, Threads, err_console, handles_errors, set_threads)
+                                HostThreads, LinkGbps, ModelArg, OnMissOpt, Seed, Threads, err_console,
+                                handles_errors, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -26,6 +27,8 @@ Examples:
   moespec chat MODEL --cache-experts 16 --link-gbps 25 --prompt "Hi" --json
 
   moespec chat MODEL --predictor hybrid --estimator estimators.safetensors
+
+  moespec chat MODEL --cache-experts 8 --on-miss auto --prompt "Hi"
 
 In the REPL: /reset clears the history, /stats shows per-layer statistics, /exit quits.
 """
@@ -56,6 +59,8 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    on_miss: str = OnMissOpt,
+    host_threads: Optional[int] = HostThreads,
     seed: int = Seed,
     threads: Optional[int] = Threads,
 ) -> None:
@@ -76,6 +81,7 @@ def chat(
         device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        on_miss=on_miss, host_threads=host_threads,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, LinkGbps, Seed,
-                                Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, HostThreads, LinkGbps,
+                                Seed, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
 millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
@@ -26,6 +26,10 @@ Examples:
 
   moespec profile MODEL --strategies quasi,hybrid --estimator estimators.safetensors
 
+  moespec profile --cache-experts 8 --link-gbps 0.09 --strategies none,router --on-miss fetch,host,auto
+
+  moespec profile MODEL --strategies none,router+auto,router+host
+
   moespec profile --compare before.json after.json
 """
 
@@ -33,22 +37,6 @@ Examples:
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to ``app``."""
     app.command("profile", help=HELP)(profile)
-
-
-def _strategies(text: str):
-    from moespec.cli.runtime_opts import enum_option
-    from moespec.config import Predictor
-    from moespec.errors import OptionError
-
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle")
-    out = []
-    for name in names:
-        s = enum_option(Predictor, name, "--strategies")
-        if s not in out:
-            out.append(s)
-    return tuple(out)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -67,7 +55,12 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def profile(
     model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
     strategies: str = typer.Option("none,router,oracle", "--strategies", "-s",
-                                   help="Comma list of none, router, quasi, estimator, hybrid, oracle."),
+                                   help="Comma list of none, router, quasi, estimator, hybrid, oracle; "
+                                        "PRED+ONMISS (router+host) fixes where its misses run."),
+    on_miss: str = typer.Option("fetch", "--on-miss",
+                                help="Comma list of fetch, host, auto: every bare strategy runs with each "
+                                     "(fetch keeps the plain name, others are named PRED+ONMISS)."),
+    host_threads: Optional[int] = HostThreads,
     prompt_len: str = typer.Option("128", "--prompt-len", help="Prompt length(s) in tokens, comma list."),
     gen: int = typer.Option(32, "--gen", help="Decode steps per run (teacher-forced)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
@@ -111,7 +104,7 @@ def profile(
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
     set_threads(threads)
-    report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
+    report, timelines = _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
                              trace is not None)
     from moespec.profile.render import render_report
@@ -133,7 +126,7 @@ def profile(
         err_console.print(f"[dim]trace written to {trace} (open it in https://ui.perfetto.dev)[/]")
 
 
-def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
+def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
          device, dtype, link_gbps, calibration, estimator, data, seed, timeline):
     """Load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
@@ -141,32 +134,38 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     import torch
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
-    from moespec.config import ExecuteMode, Predictor
+    from moespec.config import ExecuteMode, OnMiss, Predictor
     from moespec.profile.report import build_report, describe
+    from moespec.profile.strategy import parse_on_miss_list, parse_strategies
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.trace import check_lengths
     from moespec.runtime.offload import load_offloaded, make_predictor
 
-    chosen = _strategies(strategies)
-    check_estimator_use(estimator, list(chosen))
+    chosen = parse_strategies(strategies, parse_on_miss_list(on_miss))
+    check_estimator_use(estimator, [s.predictor for s in chosen])
     prompt_lens = _ints(prompt_len, "--prompt-len")
     mode = enum_option(ExecuteMode, execute, "--execute")
-    predicting = any(s != Predictor.NONE for s in chosen)
+    predicting = any(s.predictor != Predictor.NONE for s in chosen)
     # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator)
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        host_threads=host_threads)
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
     try:
         check_lengths(list(prompt_lens), gen, om.max_context())
         refs = list(om.runner.predictor.refs.values())
-        predictors = {}
-        for s in chosen:
-            if s != Predictor.ORACLE:  # the oracle is built from each trace's exact run
-                predictors[s.value] = make_predictor(s, om.adapter, refs, dataclasses.replace(cfg, predictor=s), path)
+        if any(s.on_miss != OnMiss.FETCH for s in chosen):
+            om.set_on_miss(OnMiss.AUTO)  # starts the host pool and benchmarks the costs, once, before any run
+            om.set_on_miss(OnMiss.FETCH)
+        made = {}
+        for p in dict.fromkeys(s.predictor for s in chosen):
+            if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
+                made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
+        predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
@@ -178,7 +177,8 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
-        options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
+        options = {"strategies": [s.name for s in chosen],
+                   "host_threads": om.runner.host.pool.threads if om.runner.host is not None else None, "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Optional, TypeVar
 
-from moespec.config import ExecuteMode, Predictor, RuntimeConfig, parse_bytes
+from moespec.config import ExecuteMode, OnMiss, Predictor, RuntimeConfig, parse_bytes
 from moespec.errors import OptionError
 
 E = TypeVar("E", bound=enum.Enum)
@@ -27,11 +27,12 @@ def enum_option(kind: type[E], value: str, flag: str) -> E:
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
-                         expert_dtype: str = "auto", estimator: Optional[str] = None) -> RuntimeConfig:
+                         expert_dtype: str = "auto", estimator: Optional[str] = None, on_miss: str = "fetch",
+                         host_threads: Optional[int] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
-    file found automatically.
+    file found automatically. ``on_miss`` is the ``--on-miss`` text (fetch, host, auto).
 
     Raises:
         OptionError: both --gpu-memory and --cache-experts, or a malformed value.
@@ -44,6 +45,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         cache_experts=cache_experts, predictor=predictor, execute=execute,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
         estimator_path=estimator or None, expert_dtype=expert_dtype,
+        on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
     )
 
 

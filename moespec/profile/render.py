@@ -58,6 +58,23 @@ def traffic_table(rep: dict, plen: int) -> Table:
     return t
 
 
+def miss_table(rep: dict, plen: int) -> Table | None:
+    """Where each strategy's experts ran (cache, fetched, host) and what the host moved; None
+    when every strategy fetched its misses."""
+    res = [r for r in rep["results"] if r["prompt_len"] == plen and "host" in r]
+    if not any(r.get("on_miss", "fetch") != "fetch" for r in res):
+        return None
+    t = Table(title=f"prompt {plen} tokens: where experts ran (per token)", title_justify="left")
+    for col in ("strategy", "cache", "fetched", "host", "host ms", "D2H KB", "H2D out KB", "× fetch"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in res:
+        h = r["host"]
+        t.add_row(_name(r), f"{r['hits_per_token']:.1f}", f"{r['misses_per_token']:.1f}",
+                  f"{h['experts_per_token']:.1f}", f"{h['ms_per_token']:.2f}", f"{h['d2h_bytes_per_token'] / 1e3:.1f}",
+                  f"{h['h2d_bytes_per_token'] / 1e3:.1f}", _f(r.get("tpot_ratio_vs_fetch"), ".3f"))
+    return t
+
+
 def recall_table(rep: dict, plen: int) -> Table | None:
     """recall@K per layer (rows) and predicting strategy (columns); None when nothing predicted."""
     res = [r for r in rep["results"] if r["prompt_len"] == plen and r["recall"] is not None]
@@ -84,6 +101,9 @@ def render_report(rep: dict, console: Console) -> None:
     for plen in dict.fromkeys(r["prompt_len"] for r in rep["results"]):
         console.print(time_table(rep, plen))
         console.print(traffic_table(rep, plen))
+        mt = miss_table(rep, plen)
+        if mt is not None:
+            console.print(mt)
         rt = recall_table(rep, plen)
         if rt is not None:
             console.print(rt)
