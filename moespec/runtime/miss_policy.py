@@ -19,6 +19,11 @@ computes on the host when that finishes first (its copy is not cancelled: it lan
 Decode (t = 1) on a slow link goes to the host; a prefill chunk (large t) where the device is
 faster than the host plus the copy goes to the device. (FreeToken and Fiddler make the same
 per-step choice from a measured link profile.)
+
+Prefetch under ``auto``: a miss never waits on the link, so a prediction is only worth copying
+if it lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many copies as
+one layer's running-average wall time carries, less the copies already queued (highest predicted
+weight first). Without it, a slow link queues copies that every later step drains.
 """
 
 from __future__ import annotations
@@ -141,6 +146,23 @@ class MissPlanner:
     def __init__(self, costs: Costs, pool: HostExpertPool) -> None:
         self.costs = costs
         self.pool = pool
+        self.layer_ms: float | None = None  # running average of one MoE layer's wall time (decode)
+        self._last: float | None = None
+
+    def layer_started(self, new_step: bool = False) -> None:
+        """Mark the start of an MoE layer (``new_step``: a new forward; the gap before it is not a layer)."""
+        now = time.perf_counter()
+        if not new_step and self._last is not None:
+            ms = (now - self._last) * 1e3
+            self.layer_ms = ms if self.layer_ms is None else self.layer_ms + _AVERAGE * (ms - self.layer_ms)
+        self._last = None if new_step else now
+
+    def prefetch_budget(self, in_flight: int) -> int:
+        """Auto mode: how many prefetch copies can land before the next layer runs (one layer's time on
+        the link, less the copies already on it). Unknown layer time (first layer): one."""
+        if self.layer_ms is None:
+            return 1
+        return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, 0)
 
     def plan(self, mode: OnMiss, resident: list[tuple[int, int]], in_flight: list[tuple[int, int]],
              misses: list[tuple[int, int]], queued: int) -> MissPlan:

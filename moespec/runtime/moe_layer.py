@@ -88,6 +88,8 @@ class MoeLayerRunner:
                 self.cache.unused_prefetch(slot)
                 self.cache.release(slot)
         self.prefetch_pins.clear()
+        if self.host is not None:
+            self.host.layer_started(new_step=True)
         self.predicted.clear()
         self.residual.clear()
         self.routings.clear()
@@ -96,6 +98,8 @@ class MoeLayerRunner:
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""
         stats = self.recorder.layer(block.layer)
+        if self.host is not None:
+            self.host.layer_started(new_step=x.shape[0] != 1)  # decode layers feed the layer-time average
         if x.shape[0] == 1:
             out = self._decode(block, x, stats)
         else:
@@ -224,7 +228,13 @@ class MoeLayerRunner:
         self.predicted[target] = pred
         tstats = self.recorder.layer(target)
         pins = []
-        for e in sorted(set(pred.host_ids)):
+        wanted = sorted(set(pred.host_ids))
+        if self.on_miss == OnMiss.AUTO and self.host is not None:
+            # Auto: a miss never waits on the link, so prefetch only what can land before the target layer
+            # runs (the highest-weight predictions first); the rest is computed on the host there.
+            budget = self.host.prefetch_budget(self.cache.copies_in_flight())
+            wanted = list(dict.fromkeys(pred.host_ids))[:budget]
+        for e in wanted:
             got = self.cache.prefetch((target, e))
             if got is None:
                 break  # no free slot: prefetch is best effort
