@@ -146,9 +146,11 @@ def test_planner_modes_and_costs():
     # Prefill chunk of 200 tokens with a fast link and a fast device: copying wins.
     fast_link = _planner(copy_ms=0.5, host_1=1.0, host_16=4.0, dev_1=0.1, dev_16=0.2)
     assert fast_link.plan(OnMiss.AUTO, [], [], [(2, 200), (3, 200)], 0).host == frozenset()
-    # Balanced: the host takes misses only while it finishes first (host 1 ms each, fetch 2 ms + 0.1).
+    # Balanced: each miss goes where it finishes first. Host 1 ms each, a fetch 2 ms + 0.1 ms on the device:
+    # host 1, host 2, fetch 2.1 (host would be 3), host 3 (fetch 4.1), host 4 (fetch 4.1).
     mid = _planner(copy_ms=2.0, host_1=1.0, host_16=1.0, dev_1=0.1, dev_16=0.1)
-    assert mid.plan(OnMiss.AUTO, [], [], [(e, 1) for e in range(5)], 0).host == {0, 1, 3}
+    plan = mid.plan(OnMiss.AUTO, [], [], [(e, 1) for e in range(5)], 0)
+    assert plan.host == {0, 1, 3, 4} and plan.device_ms == pytest.approx(2.1) and plan.host_ms == 4.0
     # Copies already queued ahead push a miss to the host.
     assert fast_link.plan(OnMiss.AUTO, [], [], [(2, 1)], 0).host == frozenset()
     assert fast_link.plan(OnMiss.AUTO, [], [], [(2, 1)], 10).host == {2}
