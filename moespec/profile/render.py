@@ -59,19 +59,21 @@ def traffic_table(rep: dict, plen: int) -> Table:
 
 
 def miss_table(rep: dict, plen: int) -> Table | None:
-    """Where each strategy's experts ran (cache, fetched, host) and what the host moved; None
-    when every strategy fetched its misses."""
+    """Where each strategy's experts ran per decode token (cache, fetched, host), what the host moved,
+    and the prefill's fetched / host-computed experts; None when every strategy fetched its misses."""
     res = [r for r in rep["results"] if r["prompt_len"] == plen and "host" in r]
     if not any(r.get("on_miss", "fetch") != "fetch" for r in res):
         return None
     t = Table(title=f"prompt {plen} tokens: where experts ran (per token)", title_justify="left")
-    for col in ("strategy", "cache", "fetched", "host", "host ms", "D2H KB", "H2D out KB", "× fetch"):
+    for col in ("strategy", "cache", "fetched", "host", "host ms", "D2H KB", "H2D out KB", "× fetch",
+                "prefill f/h"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for r in res:
         h = r["host"]
         t.add_row(_name(r), f"{r['hits_per_token']:.1f}", f"{r['misses_per_token']:.1f}",
                   f"{h['experts_per_token']:.1f}", f"{h['ms_per_token']:.2f}", f"{h['d2h_bytes_per_token'] / 1e3:.1f}",
-                  f"{h['h2d_bytes_per_token'] / 1e3:.1f}", _f(r.get("tpot_ratio_vs_fetch"), ".3f"))
+                  f"{h['h2d_bytes_per_token'] / 1e3:.1f}", _f(r.get("tpot_ratio_vs_fetch"), ".3f"),
+                  f"{h.get('prefill_fetched', 0):.0f}/{h.get('prefill_host', 0):.0f}")
     return t
 
 

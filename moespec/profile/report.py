@@ -62,6 +62,7 @@ def describe(om, model_id: str) -> dict:
 
 def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_miss: str = "fetch") -> dict:
     steps = [s for r in runs for s in r.steps]
+    pre = [r for r in runs if getattr(r, "prefill", None) is not None]
     n = max(len(steps), 1)
     tot = LayerStats()
     per_layer: dict[int, LayerStats] = {}
@@ -105,7 +106,11 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
         "on_miss": on_miss,
         "tpot_ratio_vs_fetch": None,  # filled in once every strategy is known
         "host": {"experts_per_token": tot.host_computed / n, "ms_per_token": tot.host_ms / n,
-                 "d2h_bytes_per_token": tot.d2h_bytes / n, "h2d_bytes_per_token": tot.host_h2d_bytes / n},
+                 "d2h_bytes_per_token": tot.d2h_bytes / n, "h2d_bytes_per_token": tot.host_h2d_bytes / n,
+                 # where the prefill's experts ran (per run): auto copies a chunk's expert when that wins
+                 "prefill_fetched": statistics.fmean(r.prefill.misses for r in pre) if pre else 0.0,
+                 "prefill_cached": statistics.fmean(r.prefill.hits for r in pre) if pre else 0.0,
+                 "prefill_host": statistics.fmean(r.prefill.host_computed for r in pre) if pre else 0.0},
         "quality": {"top1_agreement": sum(s.top1 for s in steps) / n, "kl_mean": sum(s.kl for s in steps) / n},
         "bounds": {"on_demand_ms": on_demand, "floor_ms": floor,
                    "compute_ms": statistics.fmean(s.bounds.compute_ms for s in steps) if steps else 0.0,

@@ -87,6 +87,7 @@ class RunRecord:
     ttft_ms: float
     steps: list[StepRecord]
     token_sha256: str
+    prefill: LayerStats | None = None  # the prefill step summed over layers (where its experts ran)
 
 
 @dataclass
@@ -202,6 +203,7 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
     expert_bytes = om.store.expert_bytes
     engine.forward(trace.prompt, "prefill")
     ttft = rec.steps[-1].wall_ms
+    prefill = rec.steps[-1].total()
     timer.take()
     log.take()
     steps, timeline = [], None
@@ -228,7 +230,7 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
-    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha), timeline
+    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill), timeline
 
 
 def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],
