@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, HostThreads, LinkGbps,
-                                Seed, Threads, err_console, handles_errors, set_threads)
+from moespec.cli.common import (CacheExperts, Device, Dtype, EstimatorPath, FetchThreshold, GpuMemory, HostThreads,
+                                LinkGbps, Seed, Threads, err_console, handles_errors, set_threads)
 
 HELP = """Run prefetch strategies side by side on one deterministic token trace and show where every
 millisecond and byte went: TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate,
