@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 
@@ -106,7 +107,17 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Token sampling: greedy when temperature == 0, else temperature + nucleus (top-p)."""
+    """Token sampling: greedy when temperature == 0, else temperature + nucleus (top-p).
+
+    Attributes:
+        max_new_tokens: most generated tokens per answer (the prompt is not counted; a stop token is).
+        temperature: 0 = greedy; any finite positive value samples (a tiny one acts as greedy).
+        top_p: nucleus mass in (0, 1]; 1 keeps every token.
+        seed: seed of the sampling generator; the same seed gives the same tokens.
+
+    Raises:
+        OptionError: a value out of range (names the flag).
+    """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -116,7 +127,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise OptionError(f"--max-new-tokens {self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise OptionError(f"--temperature {self.temperature} must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise OptionError(f"--temperature {self.temperature} must be a finite number >= 0", "0 = greedy")
         if not 0 < self.top_p <= 1:
             raise OptionError(f"--top-p {self.top_p} must be in (0, 1]")

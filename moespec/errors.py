@@ -73,3 +73,7 @@ class HubAccessError(MoespecError):
 
 class HubUnreachableError(MoespecError):
     """The Hub endpoint cannot be reached (network down, offline mode, server error)."""
+
+
+class ChatTemplateError(MoespecError):
+    """The model's chat template failed to render the conversation (a Jinja error or a refusal)."""

@@ -136,3 +136,109 @@ def test_help_is_fast_and_lists_commands():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"  # torch is imported lazily
     assert time.perf_counter() - t0 < 30  # generous bound: the real check is the lazy import above
+
+
+# --- a conversation through the REPL (issue 14) -------------------------------------------------
+
+def _greedy_json(folder, *args, input=None):
+    r = _chat(folder, "--json", "--max-new-tokens", "6", *args, input=input)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_help_and_unknown_commands_never_reach_the_model(tiny_models):
+    r = _chat(tiny_models["mixtral"], "--max-new-tokens", "2", input="/help\n/foo bar\n/exit\n")
+    assert r.exit_code == 0, r.output
+    for cmd in ("/help", "/reset", "/stats", "/exit"):
+        assert cmd in r.output
+    assert "unknown command /foo" in r.output
+    assert "TPOT" not in r.output  # nothing was answered
+
+
+def test_ctrl_c_or_ctrl_d_at_the_prompt_exits_cleanly(tiny_models, monkeypatch):
+    import moespec.cli.chat_cmd as chat_cmd
+
+    r = _chat(tiny_models["mixtral"], input="")  # Ctrl-D: end of input
+    assert r.exit_code == 0, r.output
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat_cmd, "_read_line", interrupted)
+    r = _chat(tiny_models["mixtral"])
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output
+
+
+def test_ctrl_c_during_an_answer_returns_to_the_prompt(tiny_models, monkeypatch):
+    from moespec.runtime.moe_layer import MoeLayerRunner
+
+    real_run, calls = MoeLayerRunner.run, []
+
+    def run(self, block, x):
+        calls.append(1)
+        if len(calls) == 3 * 3:  # 3 MoE layers: the interrupt hits the third forward (2nd decode step)
+            raise KeyboardInterrupt
+        return real_run(self, block, x)
+
+    monkeypatch.setattr(MoeLayerRunner, "run", run)
+    r = _chat(tiny_models["mixtral"], "--max-new-tokens", "4", "--link-gbps", "0.001", "--system", "Be brief.",
+              input="hello\nagain\n/stats\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert "interrupted;" in r.output and "Traceback" not in r.output
+    assert r.output.count("TPOT") == 1  # only the second question was answered in full
+    assert "reused from the KV cache" in r.output
+
+
+def test_json_needs_prompt_and_prompt_dash_reads_stdin(tiny_models):
+    r = _chat(tiny_models["mixtral"], "--json")
+    assert r.exit_code == 2 and "--prompt" in r.output and "Traceback" not in r.output
+    a = _greedy_json(tiny_models["mixtral"], "--prompt", "-", input="What is 2+2?\n")
+    b = _greedy_json(tiny_models["mixtral"], "--prompt", "What is 2+2?")
+    assert a == {**b, "stats": a["stats"]} and a["stats"]["prompt_tokens"] == b["stats"]["prompt_tokens"]
+    r = _chat(tiny_models["mixtral"], "--prompt", "-", input="  \n")
+    assert r.exit_code == 2 and "empty" in r.output
+
+
+def test_sampling_tiny_temperature_is_greedy_and_seed_repeats(tiny_models):
+    folder = tiny_models["qwen3_moe"]
+    greedy = _greedy_json(folder, "-p", "hi")["text"]
+    assert _greedy_json(folder, "-p", "hi", "--temperature", "1e-40")["text"] == greedy
+    assert _greedy_json(folder, "-p", "hi", "--temperature", "1", "--top-p", "1e-9")["text"] == greedy
+    hot = ["-p", "hi", "--temperature", "1.5", "--top-p", "0.9", "--seed", "7"]
+    assert _greedy_json(folder, *hot)["text"] == _greedy_json(folder, *hot)["text"]
+    for bad, needle in (("nan", "--temperature nan"), ("inf", "--temperature inf"), ("-1", "--temperature -1")):
+        r = _chat(folder, "-p", "hi", "--temperature", bad)
+        assert r.exit_code == 2 and needle in r.output, r.output
+    r = _chat(folder, "-p", "hi", "--top-p", "0")
+    assert r.exit_code == 2 and "--top-p 0" in r.output
+
+
+def _with_template(tmp_path, folder, template):
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "m"
+    shutil.copytree(folder, d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.chat_template = template
+    tok.save_pretrained(d)
+    return d
+
+
+def test_chat_template_errors_are_one_line(tmp_path, tiny_models):
+    d = _with_template(tmp_path, tiny_models["mixtral"], "{{ raise_exception('roles must alternate') }}")
+    r = _chat(d, "-p", "hi")
+    assert r.exit_code == 2 and "chat template failed: roles must alternate" in r.output
+    assert "Traceback" not in r.output
+    r = _chat(d, input="hi\n/exit\n")  # the REPL reports it and goes on
+    assert r.exit_code == 0 and "chat template failed" in r.output and "Traceback" not in r.output
+
+
+def test_system_with_a_template_without_system_role(tmp_path, tiny_models):
+    from tiny import CHAT_TEMPLATE
+
+    no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    d = _with_template(tmp_path, tiny_models["mixtral"], no_system + CHAT_TEMPLATE)
+    r = _chat(d, "-p", "hi", "--system", "Be brief.", "--max-new-tokens", "2")
+    assert r.exit_code == 0, r.output
+    assert "--system prefixes the first message" in r.output

@@ -19,7 +19,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for _name in ("chat_cmd", "download_cmd", "calibrate_cmd", "profile_cmd", "estimator_cmd"):
+for _name in ("chat_cmd", "download_cmd", "calibrate_cmd", "profile_cmd", "estimator_cmd", "serve_cmd"):
     # Commands land one issue at a time; a module that is not there yet is simply not registered.
     try:
         _mod = importlib.import_module(f"moespec.cli.{_name}")

@@ -30,8 +30,21 @@ Examples:
 
   moespec chat MODEL --cache-experts 8 --on-miss auto --prompt "Hi"
 
-In the REPL: /reset clears the history, /stats shows per-layer statistics, /exit quits.
+  echo "Summarise this" | moespec chat MODEL --prompt - --json
+
+In the REPL: /help lists the commands; Ctrl-C stops an answer (the part shown
+stays in the conversation); Ctrl-C or Ctrl-D at an empty prompt quits.
 """
+
+# REPL commands: name -> what it does (shown by /help and in the banner).
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "clear the history and the KV cache",
+    "/stats": "per-layer statistics of the last answer",
+    "/exit": "quit (also /quit, Ctrl-D, Ctrl-C at an empty prompt)",
+}
+SYSTEM_HELP = ("System prompt, kept first on every turn. With a chat template that has no system "
+               "role, it is prefixed to the first user message.")
 
 
 def register(app: typer.Typer) -> None:
@@ -42,9 +55,10 @@ def register(app: typer.Typer) -> None:
 @handles_errors
 def chat(
     model: Optional[str] = ModelArg,
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Answer this once and exit."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p",
+                                         help="Answer this once and exit; - reads it from stdin."),
     json_out: bool = typer.Option(False, "--json", help="With --prompt: print one JSON object (text + stats)."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    system: Optional[str] = typer.Option(None, "--system", help=SYSTEM_HELP),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     predictor: str = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid."),
@@ -57,8 +71,8 @@ def chat(
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for --predictor quasi (default: found automatically)."),
     estimator: Optional[str] = EstimatorPath,
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; any positive value samples."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
     on_miss: str = OnMissOpt,
     host_threads: Optional[int] = HostThreads,
     seed: int = Seed,
@@ -71,10 +85,7 @@ def chat(
 
     set_threads(threads)
     out = Console(highlight=False)
-    if prompt is not None and not prompt.strip():
-        from moespec.errors import PromptError
-
-        raise PromptError("--prompt is empty", "pass some text, e.g. --prompt \"What is 2+2?\"")
+    prompt = _read_prompt(prompt, json_out)
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
@@ -92,6 +103,29 @@ def chat(
             _repl(session, out)
     finally:
         session.engine.om.close()
+
+
+def _read_prompt(prompt: Optional[str], json_out: bool) -> Optional[str]:
+    """The one-shot prompt: ``--prompt TEXT``, or stdin for ``--prompt -``; None for the REPL.
+
+    Raises:
+        OptionError: --json without --prompt.
+        PromptError: an empty prompt.
+    """
+    from moespec.errors import OptionError, PromptError
+
+    if prompt is None:
+        if json_out:
+            raise OptionError("--json needs --prompt (the REPL prints no JSON)",
+                              "add --prompt TEXT, or --prompt - to read it from stdin")
+        return None
+    if prompt == "-":
+        prompt = sys.stdin.read().rstrip("\n")
+        if not prompt.strip():
+            raise PromptError("--prompt - read an empty prompt from stdin", "pipe some text in, e.g. echo hi |")
+    if not prompt.strip():
+        raise PromptError("--prompt is empty", "pass some text, e.g. --prompt \"What is 2+2?\"")
+    return prompt
 
 
 def _open_session(model, cfg, sampling, system, quiet: bool):
@@ -131,42 +165,117 @@ def _one_shot(session, prompt: str, json_out: bool, out) -> None:
         text = "".join(session.send(prompt))
         print(json.dumps({"text": text, "stats": asdict(session.last.summary)}))
         return
-    for piece in session.send(prompt):
-        out.print(piece, end="", soft_wrap=True)
+    try:
+        for piece in session.send(prompt):
+            out.print(piece, end="", soft_wrap=True, markup=False)  # model text is not Rich markup
+    except KeyboardInterrupt:
+        out.print()  # the error boundary's "interrupted" goes on its own line
+        raise
     out.print()
+    _note_system_merged(session)
     err_console.print(f"[dim]{session.last.summary.footer()}[/]")
 
 
-def _repl(session, out) -> None:
-    from moespec.errors import PromptError
+def _read_line() -> Optional[str]:
+    """One line from stdin; None at end of input (Ctrl-D). Ctrl-C raises KeyboardInterrupt."""
+    line = sys.stdin.readline()
+    return line if line else None
 
-    err_console.print("[dim]/reset clears the history · /stats shows per-layer stats · /exit quits[/]")
+
+def _repl(session, out) -> None:
+    """Read questions until /exit, Ctrl-D or Ctrl-C at the prompt (all exit 0).
+
+    Ctrl-C during an answer stops it, prints a newline and returns to the prompt; the part shown
+    stays in the conversation (ChatSession). A line starting with / is a command (/help lists
+    them); // sends the rest as text starting with /.
+    """
+    from rich.markup import escape
+
+    from moespec.errors import MoespecError
+
+    err_console.print("[dim]/help lists the commands · Ctrl-C stops an answer · /exit quits[/]")
     while True:
         out.print("[bold]>[/] ", end="")
-        line = sys.stdin.readline()
-        if not line:  # EOF
+        try:
+            line = _read_line()
+        except KeyboardInterrupt:
+            line = None
+        if line is None:  # Ctrl-D / Ctrl-C at the prompt
             out.print()
             return
         line = line.strip()
-        if line in ("/exit", "/quit"):
-            return
-        if line == "/reset":
-            session.reset()
-            out.print("[dim]history cleared[/]")
-            continue
-        if line == "/stats":
-            _print_stats(session, out)
-            continue
         if not line:
             continue
         try:
-            for piece in session.send(line):
-                out.print(piece, end="", soft_wrap=True)
-        except PromptError as exc:
-            err_console.print(f"[red]error:[/] {exc.message}" + (f"\n[yellow]hint:[/] {exc.hint}" if exc.hint else ""))
-            continue
+            if line.startswith("/") and not line.startswith("//"):
+                if _command(session, line.split()[0], out):
+                    return
+                continue
+            _answer(session, line[1:] if line.startswith("//") else line, out)
+        except MoespecError as exc:
+            err_console.print(f"[red]error:[/] {escape(exc.message)}"
+                              + (f"\n[yellow]hint:[/] {escape(exc.hint)}" if exc.hint else ""),
+                              highlight=False, soft_wrap=True)
+        except KeyboardInterrupt:  # Ctrl-C outside an answer's tokens (a footer, /stats): back to the prompt
+            session.engine.abort()
+            out.print()
+
+
+def _command(session, name: str, out) -> bool:
+    """Run REPL command ``name``; True when the REPL should end."""
+    from rich.markup import escape
+
+    if name in ("/exit", "/quit"):
+        return True
+    if name == "/reset":
+        session.reset()
+        out.print("[dim]history cleared[/]")
+    elif name == "/stats":
+        _print_stats(session, out)
+    elif name == "/help":
+        for cmd, what in COMMANDS.items():
+            out.print(f"  {cmd:<8} {what}", highlight=False)
+        out.print("  //text   send text that starts with /", highlight=False)
+        out.print("  Ctrl-C   stop the answer (the part shown stays in the conversation)", highlight=False)
+    else:
+        err_console.print(f"[red]unknown command[/] {escape(name)}; /help lists the commands", highlight=False)
+    return False
+
+
+def _answer(session, text: str, out) -> None:
+    pieces = session.send(text)
+    try:
+        for piece in pieces:
+            out.print(piece, end="", soft_wrap=True, markup=False)  # model text is not Rich markup
+    except KeyboardInterrupt:
+        _recover(session, pieces)
         out.print()
-        err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+        last = session.last
+        kept = "the part shown stays in the conversation" if last is not None and last.text else "nothing was kept"
+        err_console.print(f"[dim]interrupted; {kept}[/]")
+        return
+    out.print()
+    _note_system_merged(session)
+    err_console.print(f"[dim]{session.last.summary.footer()}[/]")
+
+
+def _recover(session, pieces) -> None:
+    """After Ctrl-C: close the answer (it records what was shown) and make the runtime consistent.
+
+    Repeated Ctrl-C while recovering restarts the recovery (Engine.abort is idempotent).
+    """
+    while True:
+        try:
+            pieces.close()
+            session.engine.abort()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def _note_system_merged(session) -> None:
+    if session.system_merged and len(session.history) == 2:  # once, after the first answer
+        err_console.print("[dim]note: no system role in this chat template; --system prefixes the first message[/]")
 
 
 def _print_stats(session, out) -> None:
@@ -183,6 +292,11 @@ def _print_stats(session, out) -> None:
         for layer, st in s.layers.items():
             per_layer.setdefault(layer, LayerStats()).add(st)
     n = len(steps)
+    summary = session.last.summary if session.last else None
+    if summary is not None:
+        whole = summary.prompt_tokens + summary.reused_tokens
+        out.print(f"prompt: {whole} tokens, {summary.reused_tokens} reused from the KV cache, "
+                  f"{summary.prompt_tokens} prefilled", highlight=False)
     table = Table(title=f"last answer: {n} decode tokens, per layer and token")
     for col in ("layer", "hits", "misses", "prefetched", "wasted", "recall@K", "H2D MB", "stall ms", "compute ms"):
         table.add_column(col, justify="right")

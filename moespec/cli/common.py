@@ -65,6 +65,10 @@ SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass
 EstimatorPath = typer.Option(None, "--estimator",
                              help="Estimator file for --predictor estimator / hybrid (default: the one "
                                   "`moespec train-estimator` wrote for MODEL).")
+PredictorOpt = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid.")
+ExecuteOpt = typer.Option("exact", "--execute", help="exact, speculative or guarded.")
+CalibrationPath = typer.Option(None, "--calibration",
+                               help="Calibration file for --predictor quasi (default: found automatically).")
 Threads = typer.Option(None, "--threads",
                        help="CPU threads for torch (default: torch's choice; 1 is faster when other work "
                             "shares the cores).")

@@ -134,6 +134,31 @@ class ExpertCache:
         self._from_prefetch = [False] * self.num_slots
         self._lru = OrderedDict((s, None) for s in range(self.num_slots))
 
+    def abort(self) -> None:
+        """After an interrupted forward (Ctrl-C): cancel queued copies, drop every pin.
+
+        Copies that never ran leave their slot empty (its key forgotten, so a later request copies
+        again); the running copy is waited for. Afterwards every slot is evictable and every
+        resident key holds its expert: the cache is as consistent as after a finished forward.
+        """
+        for ticket in self.engine.cancel_pending():
+            # The slot's current copy (or an older one still queued behind it): either way the
+            # slot's bytes are not the key's expert, so forget the key. Emptying is always safe.
+            current = self._ticket[ticket.slot]
+            if current is None or current is ticket:
+                self._evict_to_empty(ticket.slot)
+                self.copies -= 1
+        self.engine.synchronize()  # a CUDA stream cannot drop copies: let them land
+        for slot in range(self.num_slots):
+            if self._pins[slot]:
+                self._pins[slot] = 0
+                self.engine.slot_released(slot)
+                self._lru[slot] = None
+            self._ticket[slot] = None  # every copy has landed or was dropped
+            self._from_prefetch[slot] = False
+            if self._key[slot] is None:
+                self._lru.move_to_end(slot, last=False)  # empty slots are reused first
+
     # --- the two ways in -------------------------------------------------------------------
     def acquire(self, key: Key) -> Acquired | None:
         """Pin ``key`` for compute, starting its copy on a miss.

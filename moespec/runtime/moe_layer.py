@@ -94,6 +94,18 @@ class MoeLayerRunner:
         self.residual.clear()
         self.routings.clear()
 
+    def abort(self) -> None:
+        """Recover from a forward that ended in an exception (Ctrl-C between or inside layers).
+
+        Cancels the queued copies, drops every cache pin (running layer and prefetch alike) and
+        the per-forward state, so the next forward starts as after a finished one.
+        """
+        self.cache.abort()
+        self.prefetch_pins.clear()
+        self.predicted.clear()
+        self.residual.clear()
+        self.routings.clear()
+
     # ------------------------------------------------------------------------------------
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""

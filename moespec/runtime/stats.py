@@ -64,12 +64,16 @@ class LayerStats:
 
 @dataclass
 class StepStats:
-    """One forward pass: kind "prefill" or "decode", T tokens, wall time, per-layer stats."""
+    """One forward pass: kind "prefill" or "decode", T tokens, wall time, per-layer stats.
+
+    reused_tokens (prefill): prompt tokens before these T whose keys/values came from the KV cache.
+    """
 
     kind: str
     tokens: int
     wall_ms: float = 0.0
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    reused_tokens: int = 0
 
     def total(self) -> LayerStats:
         """Sum over layers."""
@@ -184,7 +188,7 @@ class Summary:
     """Headline numbers over a set of steps.
 
     Attributes:
-        prompt_tokens, new_tokens: counts.
+        prompt_tokens, new_tokens: counts (prompt_tokens: the prompt tokens computed, not reused).
         ttft_ms: wall time of the prefill step(s) (first token's logits ready).
         tpot_ms: mean wall time of a decode step (ms per output token).
         tokens_per_s: 1000 / tpot_ms.
@@ -195,6 +199,8 @@ class Summary:
         prefetch_wasted_per_token: prefetched experts never used, per decode token.
         skipped_per_token: true top-K experts not run per decode token (approximate modes).
         host_experts_per_token, host_ms_per_token: misses computed on the host, and their host ms.
+        reused_tokens: prompt tokens whose keys/values came from the KV cache (multi-turn chat);
+            the whole prompt is prompt_tokens + reused_tokens.
     """
 
     prompt_tokens: int
@@ -212,6 +218,7 @@ class Summary:
     skipped_per_token: float
     host_experts_per_token: float = 0.0
     host_ms_per_token: float = 0.0
+    reused_tokens: int = 0
 
     def footer(self) -> str:
         """One line for the chat UI."""
@@ -247,4 +254,5 @@ def summarize(steps: list[StepStats]) -> Summary:
         skipped_per_token=tot.skipped / n,
         host_experts_per_token=tot.host_computed / n,
         host_ms_per_token=tot.host_ms / n,
+        reused_tokens=sum(s.reused_tokens for s in prefill),
     )

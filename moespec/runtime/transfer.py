@@ -96,6 +96,14 @@ class TransferEngine:
         """Drop a copy that has not started; True when it will never run (its bytes are not moved)."""
         return False
 
+    def cancel_pending(self) -> list[Ticket]:
+        """Abort: drop every queued copy that has not started and cut short the emulated link time of
+        the running one (its bytes have landed). Returns the dropped tickets, whose slots hold no
+        valid expert. On CUDA only prefetches still in the host queue can be dropped; copies already
+        released to a stream run to the end (synchronize waits for them).
+        """
+        return []
+
     def wait(self, ticket: Ticket) -> Span:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
         raise NotImplementedError
@@ -143,6 +151,7 @@ class ThreadTransferEngine(TransferEngine):
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._queued: dict[int, Ticket] = {}  # slot -> its prefetch still in the queue
+        self._hurry = threading.Event()  # set by cancel_pending: end the emulated link wait now
         self._thread = threading.Thread(target=self._run, name="moespec-h2d", daemon=True)
         self._thread.start()
 
@@ -181,7 +190,7 @@ class ThreadTransferEngine(TransferEngine):
                 # Emulated link: a copy takes at least nbytes / bandwidth.
                 rest = ticket.nbytes / (self.link_gbps * 1e9) - (time.perf_counter() - t0)
                 if rest > 0:
-                    time.sleep(rest)
+                    self._hurry.wait(rest)  # a sleep that cancel_pending can cut short
             ticket.start, ticket.end = t0, time.perf_counter()
             ticket.copy_s = ticket.end - t0
             self._busy_s += ticket.copy_s
@@ -213,6 +222,20 @@ class ThreadTransferEngine(TransferEngine):
     def cancel(self, ticket: Ticket) -> bool:
         with self._cv:
             return self._cancel_locked(ticket)
+
+    def cancel_pending(self) -> list[Ticket]:
+        dropped = []
+        with self._cv:
+            for _, _, job in self._heap:
+                if job is None:
+                    continue
+                ticket = job[2]
+                if ticket.slot >= 0 and self._cancel_locked(ticket):
+                    dropped.append(ticket)
+            self._hurry.set()
+        self.synchronize()  # the running copy (if any) and the dropped ones are done after this
+        self._hurry.clear()
+        return dropped
 
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()

@@ -235,6 +235,15 @@ class CudaTransferEngine(TransferEngine):
             self._drop(job)
             return True
 
+    def cancel_pending(self) -> list[Ticket]:
+        # Only prefetches still in the host queue can be dropped; copies released to a stream run.
+        with self._cv:
+            dropped = [job.ticket for job in self._queue]
+            for job in list(self._queue):
+                self._drop(job)
+            self._queued.clear()
+        return dropped
+
     def wait(self, ticket: Ticket) -> Span | None:
         if self._error is not None:
             raise self._error

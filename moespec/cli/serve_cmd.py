@@ -1,0 +1,148 @@
+"""`moespec serve`: an OpenAI-compatible HTTP server over the offloading runtime."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
+                                FetchThreshold, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
+                                err_console, handles_errors, set_threads)
+from moespec.errors import MoespecError
+
+HELP = """Serve an MoE model through an OpenAI-compatible HTTP API.
+
+One model, one generation at a time; other requests wait in a FIFO queue
+(past --max-queue: HTTP 429). GET /metrics shows requests, TTFT/TPOT and,
+per layer, expert-cache hit rate, recall@K, stall, H2D bytes, wasted
+prefetches and cache occupancy.
+
+Examples:
+
+  moespec serve
+
+  moespec serve ./Qwen3-30B-A3B --gpu-memory 8GiB --port 8080
+
+  moespec serve MODEL --host 0.0.0.0 --api-key "$KEY"
+
+From Python (pip install openai):
+
+  from openai import OpenAI
+
+  c = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
+
+  r = c.chat.completions.create(model=c.models.list().data[0].id,
+      messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+
+  print(r.choices[0].message.content)
+
+Listening on anything but loopback requires --api-key (or MOESPEC_API_KEY).
+"""
+
+
+class ServeExtraMissing(MoespecError):
+    """`moespec serve` needs packages of the `serve` extra that are not installed."""
+
+
+def _require_serve_extra() -> None:
+    """Raises ServeExtraMissing naming the missing package and the install command."""
+    import importlib.util
+
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
+        if importlib.util.find_spec(module) is None:
+            raise ServeExtraMissing(f"`moespec serve` needs {package}, which is not installed",
+                                    "pip install 'moespec[serve]'")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `serve` command to ``app``."""
+    app.command("serve", help=HELP)(serve)
+
+
+@handles_errors
+def serve(
+    model: Optional[str] = ModelArg,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MOESPEC_API_KEY",
+                                          help="Bearer key clients must send (required off loopback)."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait while one generates."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens",
+                                       help="New tokens when a request sets no max_tokens."),
+    gpu_memory: Optional[str] = GpuMemory,
+    cache_experts: Optional[int] = CacheExperts,
+    predictor: str = PredictorOpt,
+    execute: str = ExecuteOpt,
+    fetch_threshold: float = FetchThreshold,
+    device: str = Device,
+    dtype: str = Dtype,
+    expert_dtype: str = ExpertDtype,
+    link_gbps: Optional[float] = LinkGbps,
+    calibration: Optional[str] = CalibrationPath,
+    estimator: Optional[str] = EstimatorPath,
+    seed: int = Seed,
+    threads: Optional[int] = Threads,
+) -> None:
+    _require_serve_extra()
+    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
+    from moespec.config import ExecuteMode, Predictor
+    from moespec.serve.app import ServeSettings
+    from moespec.serve.security import is_loopback
+
+    if not is_loopback(host) and not api_key:
+        from moespec.errors import OptionError
+
+        raise OptionError(f"--host {host} is reachable from other machines but no API key is set",
+                          "pass --api-key KEY (or set MOESPEC_API_KEY), or keep --host 127.0.0.1")
+    _check_positive(max_queue, "--max-queue", 0)
+    _check_positive(max_body_bytes, "--max-body-bytes", 1)
+    _check_positive(max_new_tokens, "--max-new-tokens", 1)
+    set_threads(threads)
+    kind = enum_option(Predictor, predictor, "--predictor")
+    check_estimator_use(estimator, [kind])
+    cfg = build_runtime_config(
+        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
+        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+    )
+    settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                             default_max_tokens=max_new_tokens, default_seed=seed)
+    run_server(model, cfg, settings, host, port)
+
+
+def _check_positive(value: int, flag: str, least: int) -> None:
+    if value < least:
+        from moespec.errors import OptionError
+
+        raise OptionError(f"{flag} {value} must be at least {least}")
+
+
+def served_name(model: Optional[str], path) -> str:
+    """The model id clients ask for: the Hub id as given, else the folder's name."""
+    from pathlib import Path
+
+    if model is None or Path(model).expanduser().exists():
+        return Path(path).name
+    return model
+
+
+def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> None:
+    """Load ``model``, serve it until Ctrl-C, then stop the worker and the runtime."""
+    import uvicorn
+
+    from moespec.chat.open_model import open_model
+    from moespec.serve.app import create_app
+    from moespec.serve.backend import ModelBackend
+
+    opened = open_model(model, cfg, err_console)
+    err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
+    app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
+    err_console.print(f"serving [bold]{app.state.backend.name}[/] on http://{host}:{port}/v1 "
+                      f"(metrics: /metrics)", highlight=False)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        app.state.queue.close()
+        opened.close()
