@@ -87,6 +87,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
         "execute": execute,
         "ttft_ms": _mean_std([r.ttft_ms for r in runs]),
         "tpot_ms": _mean_std(tpots),
+        "tpot_runs_ms": tpots,  # one mean TPOT per repeat (min / median on a shared machine)
         "tokens_per_s": _mean_std([1e3 / t for t in tpots if t > 0]),
         "tpot_ratio_vs_none": None,  # filled in once every strategy is known
         "stall_ms_per_token": tot.stall_ms / n,

@@ -55,6 +55,7 @@ _RESULT = _obj({
     "skipped_per_token": _NUM,
     "on_miss": {"type": "string", "enum": ["fetch", "host", "auto"]},
     "tpot_ratio_vs_fetch": _NUM_OR_NULL,
+    "tpot_runs_ms": {"type": "array", "items": _NUM},
     "host": _obj({"experts_per_token": _NUM, "ms_per_token": _NUM, "d2h_bytes_per_token": _NUM,
                   "h2d_bytes_per_token": _NUM, "prefill_fetched": _NUM, "prefill_cached": _NUM,
                   "prefill_host": _NUM}),
@@ -67,7 +68,8 @@ _RESULT = _obj({
     "per_layer": {"type": "array", "items": _PER_LAYER},
 })
 # Reports written before --on-miss have none of these: optional, so they still load.
-_RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host")]
+_RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host",
+                                                                           "tpot_runs_ms")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
