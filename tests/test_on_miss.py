@@ -165,6 +165,9 @@ def test_running_average_and_prefetch_budget():
     for _ in range(50):
         p.costs.observe_host(1, 2.0)  # the host turned out twice as slow
     assert p.costs.host_ms(1) == pytest.approx(2.0, rel=1e-3)
+    assert p.costs.device_ms(1) == 0.1  # a separate device keeps its own speed
+    p.costs.shared = True  # CPU: the same processor got slower for both
+    assert p.costs.device_ms(1) == pytest.approx(0.2, rel=1e-3)
     assert p.prefetch_budget(0) == 1  # no layer time yet
     p.layer_ms = 10.0
     assert p.prefetch_budget(0) == 2 and p.prefetch_budget(1) == 1 and p.prefetch_budget(5) == 0

@@ -51,6 +51,9 @@ class Costs:
         host_ms_1, host_ms_16: host compute for 1 and 16 tokens.
         device_ms_1, device_ms_16: device compute for 1 and 16 tokens.
         host_scale: running average of observed / predicted host ms.
+        shared: host and device are the same processor (CPU): what slows the host (other load)
+            slows the device alike, so device_ms follows host_scale too (else every slow host job
+            would bias the choice toward fetching).
     """
 
     copy_ms: float
@@ -59,6 +62,7 @@ class Costs:
     device_ms_1: float
     device_ms_16: float
     host_scale: float = 1.0
+    shared: bool = False
 
     @staticmethod
     def _line(ms_1: float, ms_16: float, tokens: int) -> float:
@@ -71,7 +75,7 @@ class Costs:
 
     def device_ms(self, tokens: int) -> float:
         """Predicted device ms for ``tokens`` tokens."""
-        return self._line(self.device_ms_1, self.device_ms_16, tokens)
+        return (self.host_scale if self.shared else 1.0) * self._line(self.device_ms_1, self.device_ms_16, tokens)
 
     def observe_host(self, tokens: int, ms: float) -> None:
         """Fold one finished host job into the running average."""
@@ -123,7 +127,8 @@ def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, 
         engine.synchronize()  # why: device time, not launch time
 
     dev = {t: _median_ms(lambda t=t: on_device(t)) for t in _BENCH_TOKENS}
-    return Costs(copy_ms=copy_ms, host_ms_1=host[1], host_ms_16=host[16], device_ms_1=dev[1], device_ms_16=dev[16])
+    return Costs(copy_ms=copy_ms, host_ms_1=host[1], host_ms_16=host[16], device_ms_1=dev[1], device_ms_16=dev[16],
+                 shared=device.type == "cpu")
 
 
 @dataclass(frozen=True)
