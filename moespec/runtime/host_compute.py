@@ -14,8 +14,9 @@ own: the store row (never a slot), a worker thread, no expert copy, counted acti
 it saves is the emulated link (``--link-gbps``).
 
 Threads. ``torch.inference_mode`` is thread-local, so each job enters it. On CUDA the default
-thread count leaves two cores free (the thread that launches device work and the copy pump), so
-the pool never starves the launcher (``--host-threads`` overrides it).
+thread count leaves two cores free (the thread that launches device work and the copy pump), and
+torch's intra-op pool is set to one thread, so N workers use N cores, never the launcher's
+(``--host-threads`` overrides the count; the launching thread runs no CPU-parallel op).
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ class HostExpertPool:
         self.store = store
         self.device = device
         self.threads = threads
+        if device.type == "cuda":
+            # Why: each worker's matmul would otherwise fan out over every core (intra-op threads),
+            # and N workers x all cores starve the thread that launches device work.
+            torch.set_num_threads(1)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moespec-host")
 
     def _work(self, layer: int, expert: int, x: torch.Tensor, act) -> HostResult:
