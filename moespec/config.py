@@ -45,6 +45,12 @@ class CachePolicy(str, enum.Enum):
 
 # Measured on the default model (README, "Cache policies"): used when a calibration file is found.
 DEFAULT_CACHE_POLICY = CachePolicy.LFRU
+class OnMiss(str, enum.Enum):
+    """Where an expert that is not in the device cache runs (design.md, "Runtime": where a miss runs)."""
+
+    FETCH = "fetch"  # copy it into a slot and compute on the device (on-demand loading)
+    HOST = "host"  # compute it on the host from its store row; only its [t, H] output moves
+    AUTO = "auto"  # per miss, whichever the measured costs say finishes first
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -103,6 +109,8 @@ class RuntimeConfig:
             "int8" / "int4" quantises the experts group-wise while the checkpoint streams in (rows moved
             packed, dequantised after each copy; GPT-OSS refuses them).
         group_size: weights per scale/zero point of int8/int4 experts (``--group-size``); None = default.
+        on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
+        host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
     """
 
     device: str = "cpu"
@@ -118,8 +126,13 @@ class RuntimeConfig:
     expert_dtype: str = "auto"
     group_size: int | None = None
     cache_policy: CachePolicy | None = None
+    on_miss: OnMiss = OnMiss.FETCH
+    host_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.host_threads is not None and self.host_threads < 1:
+            raise OptionError(f"--host-threads {self.host_threads} must be at least 1",
+                              "pass --host-threads 1 or more, or leave it out (measured at load)")
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the
         # real minimum in experts and bytes (moespec.runtime.offload.num_slots): one message for every value.
         if self.link_gbps is not None and self.link_gbps <= 0:

@@ -298,7 +298,8 @@ def report(args) -> int:
     if prof is not None:
         for r in prof["results"]:
             keys = ("strategy", "prompt_len", "tpot_ms", "ttft_ms", "stall_ms_per_token", "h2d_bytes_per_token",
-                    "overlap_fraction", "tpot_ratio_vs_none", "link_gbps_achieved")
+                    "overlap_fraction", "tpot_ratio_vs_none", "link_gbps_achieved", "on_miss",
+                    "tpot_ratio_vs_fetch", "host")
             strategies.append({k: r.get(k) for k in keys})
     rss = [p.get("max_rss_gib", 0.0) for p in (pieces["build"], pieces["syncs"]) if p]
     ckpt_gib = (pieces["build"] or {}).get("bytes", 0) / GIB
@@ -324,9 +325,12 @@ def report(args) -> int:
         lines.append(f"demand copy behind 16 prefetches: {d['moespec_engine']:.2f} ms, one FIFO stream "
                      f"{d['one_fifo_stream']:.2f} ms (one expert copy {d['one_expert_copy_ms']:.2f} ms)")
     for s in strategies:
-        lines.append(f"{s['strategy']:>7} prompt {s['prompt_len']}: TPOT {s['tpot_ms']['mean']:.2f} ms, "
-                     f"stall {s['stall_ms_per_token']:.2f} ms/token, "
-                     f"H2D {s['h2d_bytes_per_token'] / 1e6:.1f} MB/token")
+        host = s.get("host") or {}
+        where = (f", host {host['experts_per_token']:.1f} experts/token ({host['ms_per_token']:.1f} ms), "
+                 f"x fetch {s['tpot_ratio_vs_fetch']:.3f}") if s.get("on_miss", "fetch") != "fetch" else ""
+        lines.append(f"{s['strategy']:>11} prompt {s['prompt_len']}: TPOT {s['tpot_ms']['mean']:.2f} ms, "
+                     f"TTFT {s['ttft_ms']['mean']:.0f} ms, stall {s['stall_ms_per_token']:.2f} ms/token, "
+                     f"H2D {s['h2d_bytes_per_token'] / 1e6:.1f} MB/token{where}")
     for r in (pieces["syncs"] or {}).get("runs", []):
         if r["syncs_per_token"] is None:
             lines.append(f"syncs/token {r['predictor']} {r['execute']}: n/a on CPU ({r['tokens']} tokens ran)")

@@ -3,11 +3,13 @@
 # transformers 5.17.0, nothing installable). Fail-fast: a failing step stops the rest. Each step has
 # its own timeout; together they stay under 300 s (290 s of limits):
 #   1 preflight   15 s  versions, CUDA, free host RAM and disk; stops on a mismatch
-#   2 cuda tests  70 s  pytest -m cuda
+#   2 cuda tests  65 s  pytest -m cuda
 #   3 bandwidth   20 s  pinned (exact-size and caching allocator) vs pageable H2D GB/s; demand-copy priority
 #   4 build       40 s  a random bf16 Qwen3-30B-A3B-shaped slice (4 layers, ~6.2 GB) after a free-space check
-#   5 profile     90 s  moespec profile: none / router / oracle, --gpu-memory = two layers of experts
-#   6 syncs       45 s  host syncs per decode token (torch.cuda.set_sync_debug_mode)
+#   5 profile    100 s  moespec profile: none / router / oracle, and misses computed on the real CPU
+#                       (none+host, none+auto, router+auto: fetch vs host vs auto), --gpu-memory = two
+#                       layers of experts, 12 decode tokens
+#   6 syncs       40 s  host syncs per decode token (torch.cuda.set_sync_debug_mode)
 #   7 report      10 s  gpu-check-report.json + .txt
 # Peak host memory, stated truthfully: the checkpoint (~6.2 GB, in RAM when the scratch folder is on
 # /dev/shm) + the largest process (~5 GB pinned store + ~2-3 GB of Python/torch/CUDA): ~14 GB; the
@@ -77,7 +79,7 @@ else
 fi
 step preflight 15 "${PY[@]}" preflight
 if [ -z "${SMOKE:-}" ]; then
-  step cuda-tests 70 bash -c "'$PYBIN' -m pytest -m cuda -q -x -p no:cacheprovider tests 2>&1 \
+  step cuda-tests 65 bash -c "'$PYBIN' -m pytest -m cuda -q -x -p no:cacheprovider tests 2>&1 \
     | tee '$OUT_DIR/gpu-check-cuda-tests.txt'; exit \${PIPESTATUS[0]}"
   step bandwidth 20 "${PY[@]}" bandwidth
 fi
@@ -85,9 +87,10 @@ step build 40 "${PY[@]}" build
 EXPERTS_BYTES=$("$PYBIN" -c "import json,sys; b=json.load(open('$WORK/build.json')); print(2*b['num_experts']*b['expert_bytes'])")
 PLOT=()
 "$PYBIN" -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$STEM.png")
-step profile 90 "$PYBIN" -m moespec profile "$WORK/qwen3-30b-a3b-slice" "${DEVICE[@]}" --dtype bfloat16 \
-  --gpu-memory "$EXPERTS_BYTES" --strategies none,router,oracle --prompt-len 128 --gen 16 --repeats 2 \
+step profile 100 "$PYBIN" -m moespec profile "$WORK/qwen3-30b-a3b-slice" "${DEVICE[@]}" --dtype bfloat16 \
+  --gpu-memory "$EXPERTS_BYTES" --strategies none,router,oracle,none+host,none+auto,router+auto \
+  --prompt-len 128 --gen 12 --repeats 2 \
   --warmup 1 --out "$STEM.json" --trace "$STEM.trace.json" "${PLOT[@]}" --force
-step syncs 45 "${PY[@]}" syncs
+step syncs 40 "${PY[@]}" syncs
 report
 echo "gpu_check: all steps passed ($STEPS ) -> $OUT_DIR/gpu-check-report.txt"

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, Data, Device, Dtype, ExpertDtype, GpuMemory, GroupSize, HeldoutTokens,
-                                ModelArg, Seed, SeqLen, Threads, err_console, handles_errors, register_command,
-                                set_threads)
+                                HostThreads, ModelArg, OnMissOpt, Seed, SeqLen, Threads, err_console, handles_errors,
+                                register_command, set_threads)
 HELP = """Calibrate MODEL for the `quasi` predictor: run text through it and write a calibration file.
 
 Per MoE layer: the default vector of every expert (its mean raw output over the tokens routed to it), how often each expert is used, and the recall@K of the `router` and `quasi` predictors on held-out text. Runs through the offloading runtime in exact mode, so a model larger than the device can be calibrated. `moespec chat MODEL --predictor quasi` finds the file automatically.
@@ -49,6 +49,8 @@ def calibrate(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    on_miss: str = OnMissOpt,
+    host_threads: Optional[int] = HostThreads,
     seed: int = Seed,
     threads: Optional[int] = Threads,
     cache_policy: str = typer.Option("lru,lfu,lfru,static", "--cache-policy",
@@ -76,7 +78,8 @@ def calibrate(
     rcfg = build_runtime_config(device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size,
                                 gpu_memory=gpu_memory,
                                 cache_experts=cache_experts,
-                                predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None)
+                                predictor=Predictor.NONE, execute=ExecuteMode.EXACT, fetch_threshold=0.0, link_gbps=None,
+                                on_miss=on_miss, host_threads=host_threads)
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     target = ensure_writable(Path(out) if out else default_calibration_path(path))

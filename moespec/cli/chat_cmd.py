@@ -10,9 +10,9 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
-                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, LinkGbps, ModelArg,
-                                PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
-                                set_threads)
+                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, HostThreads, LinkGbps,
+                                ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
+                                register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -28,6 +28,8 @@ Examples:
   moespec chat MODEL --cache-experts 16 --link-gbps 25 --prompt "Hi" --json
 
   moespec chat MODEL --predictor hybrid --estimator estimators.safetensors
+
+  moespec chat MODEL --cache-experts 8 --on-miss auto --prompt "Hi"
 
   echo "Summarise this" | moespec chat MODEL --prompt - --json
 
@@ -74,6 +76,8 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens per answer."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; any positive value samples."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    on_miss: str = OnMissOpt,
+    host_threads: Optional[int] = HostThreads,
     seed: int = Seed,
     threads: Optional[int] = Threads,
 ) -> None:
@@ -91,7 +95,7 @@ def chat(
         device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        cache_policy=cache_policy,
+        cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

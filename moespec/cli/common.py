@@ -115,6 +115,13 @@ CachePolicyOpt = typer.Option(
          "frequencies). Default: lfru when the model has a calibration file, else lru.")
 FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
 Seed = typer.Option(0, "--seed", help="Random seed.")
+OnMissOpt = typer.Option("fetch", "--on-miss",
+                         help="Where a cache miss runs: fetch (copy it to the device), host (compute it on "
+                              "the host from its row; only its output moves) or auto (per miss, from "
+                              "measured link and compute costs).")
+HostThreads = typer.Option(None, "--host-threads",
+                           help="Worker threads computing misses on the host (--on-miss host/auto); "
+                                "default: from the free cores (CUDA keeps two for the launcher).")
 ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")

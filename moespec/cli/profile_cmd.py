@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold,
-                                Flag, GpuMemory, GroupSize, LinkGbps, Seed, Threads, err_console, handles_errors,
-                                register_command, set_threads)
+                                Flag, GpuMemory, GroupSize, HostThreads, LinkGbps, Seed, Threads, err_console,
+                                handles_errors, register_command, set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -29,6 +29,10 @@ Examples:
 
   moespec profile MODEL --strategies quasi,hybrid --estimator estimators.safetensors
 
+  moespec profile --cache-experts 8 --link-gbps 0.09 --strategies none,router --on-miss fetch,host,auto
+
+  moespec profile MODEL --strategies none,router+auto,router+host
+
   moespec profile --compare before.json after.json
 """
 
@@ -39,22 +43,6 @@ _WIDE = 400  # columns of the --wide console: more than any profile table needs
 def register(app: typer.Typer) -> None:
     """Add the `profile` command to ``app``."""
     register_command(app, "profile", HELP, profile)
-
-
-def _strategies(text: str):
-    from moespec.cli.runtime_opts import enum_option
-    from moespec.config import Predictor
-    from moespec.errors import OptionError
-
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle")
-    out = []
-    for name in names:
-        s = enum_option(Predictor, name, "--strategies", list(Predictor))
-        if s not in out:
-            out.append(s)
-    return tuple(out)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -73,7 +61,12 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def profile(
     model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
     strategies: str = typer.Option("none,router,oracle", "--strategies", "-s",
-                                   help="Comma list of none, router, quasi, estimator, hybrid, oracle."),
+                                   help="Comma list of none, router, quasi, estimator, hybrid, oracle; "
+                                        "PRED+ONMISS (router+host) fixes where its misses run."),
+    on_miss: str = typer.Option("fetch", "--on-miss",
+                                help="Comma list of fetch, host, auto: every bare strategy runs with each "
+                                     "(fetch keeps the plain name, others are named PRED+ONMISS)."),
+    host_threads: Optional[int] = HostThreads,
     prompt_len: str = typer.Option("128", "--prompt-len", help="Prompt length(s) in tokens, comma list."),
     gen: int = typer.Option(32, "--gen", help="Decode steps per run (teacher-forced)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
@@ -117,8 +110,11 @@ def profile(
                        wide=wide)
         return
     # a missing calibration/estimator file is refused first, before torch loads (under a second)
+    from moespec.profile.strategy import parse_on_miss_list, parse_strategies
+
+    chosen = parse_strategies(strategies, parse_on_miss_list(on_miss))  # also checks the names, before loading
     check_predictor_files(model, RuntimeConfig(calibration_path=calibration, estimator_path=estimator),
-                          _strategies(strategies))
+                          [s.predictor for s in chosen])
     from moespec.profile.report import check_writable
 
     for path, flag in ((out, "--out"), (plot, "--plot"), (trace, "--trace")):
@@ -129,7 +125,8 @@ def profile(
         require_matplotlib()
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
-    report, timelines = _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory,
+    report, timelines = _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute,
+                             fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
                              trace is not None, threads, expert_dtype, group_size, cache_policy)
     from moespec.profile.render import render_report
@@ -151,26 +148,27 @@ def profile(
         err_console.print(f"[dim]trace written to {trace} (open it in https://ui.perfetto.dev)[/]")
 
 
-def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_threshold, gpu_memory, cache_experts,
-         device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads, expert_dtype="auto",
-         group_size=None, cache_policy=None):
+def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
+         gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
+         expert_dtype="auto", group_size=None, cache_policy=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
-    from moespec.config import ExecuteMode, Predictor
+    from moespec.config import ExecuteMode, OnMiss, Predictor
+    from moespec.profile.strategy import parse_on_miss_list, parse_strategies
 
-    chosen = _strategies(strategies)
-    check_estimator_use(estimator, list(chosen))
+    chosen = parse_strategies(strategies, parse_on_miss_list(on_miss))
+    check_estimator_use(estimator, [s.predictor for s in chosen])
     prompt_lens = _ints(prompt_len, "--prompt-len")
     mode = enum_option(ExecuteMode, execute, "--execute")
-    predicting = any(s != Predictor.NONE for s in chosen)
+    predicting = any(s.predictor != Predictor.NONE for s in chosen)
     # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy)
+        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads)
     set_threads(threads)
     import torch
 
@@ -185,10 +183,14 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
     try:
         check_lengths(list(prompt_lens), gen, om.max_context())
         refs = list(om.runner.predictor.refs.values())
-        predictors = {}
-        for s in chosen:
-            if s != Predictor.ORACLE:  # the oracle is built from each trace's exact run
-                predictors[s.value] = make_predictor(s, om.adapter, refs, dataclasses.replace(cfg, predictor=s), path)
+        if any(s.on_miss != OnMiss.FETCH for s in chosen):
+            om.set_on_miss(OnMiss.AUTO)  # starts the host pool and benchmarks the costs, once, before any run
+            om.set_on_miss(OnMiss.FETCH)
+        made = {}
+        for p in dict.fromkeys(s.predictor for s in chosen):
+            if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
+                made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
+        predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
@@ -203,7 +205,9 @@ def _run(model, strategies, prompt_len, gen, repeats, warmup, execute, fetch_thr
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
-        options = {"strategies": [s.value for s in chosen], "prompt_len": list(prompt_lens), "gen": gen,
+        host_threads_used = om.runner.host.pool.threads if om.runner.host is not None else None
+        options = {"strategies": [s.name for s in chosen], "host_threads": host_threads_used,
+                   "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "group_size": group_size,

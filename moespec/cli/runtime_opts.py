@@ -6,7 +6,7 @@ import enum
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
-from moespec.config import CachePolicy, ExecuteMode, Predictor, RuntimeConfig, parse_bytes
+from moespec.config import CachePolicy, ExecuteMode, OnMiss, Predictor, RuntimeConfig, parse_bytes
 from moespec.errors import OptionError
 
 E = TypeVar("E", bound=enum.Enum)
@@ -38,14 +38,15 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
-                         group_size: Optional[int] = None, cache_policy: Optional[str] = None) -> RuntimeConfig:
+                         group_size: Optional[int] = None, cache_policy: Optional[str] = None,
+                         on_miss: str = "fetch", host_threads: Optional[int] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
     calibration file exists, else lru).
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
-    file found automatically.
+    file found automatically. ``on_miss`` is the ``--on-miss`` text (fetch, host, auto).
 
     Raises:
         OptionError: both --gpu-memory and --cache-experts, or a malformed value.
@@ -59,6 +60,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size,
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
+        on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
     )
 
 

@@ -2,7 +2,8 @@
 
 One process per strategy; in each, a "compute" track (one span per decoder layer, with the MoE
 block's stalls and expert computes nested inside) and a "copy" track (one span per expert copy,
-demand or prefetch). Open the file in https://ui.perfetto.dev or chrome://tracing.
+demand or prefetch); with ``--on-miss host|auto`` a "host" track (one span per expert computed on
+the host pool beside the device). Open the file in https://ui.perfetto.dev or chrome://tracing.
 Timestamps are microseconds from the start of the step.
 """
 
@@ -14,7 +15,7 @@ import os
 from moespec.fsutil import atomic_path
 from moespec.profile.run import Timeline
 
-COMPUTE_TID, COPY_TID = 1, 2
+COMPUTE_TID, COPY_TID, HOST_TID = 1, 2, 3
 
 
 def trace_events(timelines: list[Timeline]) -> list[dict]:
@@ -24,7 +25,8 @@ def trace_events(timelines: list[Timeline]) -> list[dict]:
         label = f"{tl.strategy} (prompt {tl.prompt_len}, decode step {tl.step}, {tl.wall_ms:.2f} ms)"
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        for tid, name in ((COMPUTE_TID, "compute"), (COPY_TID, "copy (H2D)")):
+        lanes = [(COMPUTE_TID, "compute"), (COPY_TID, "copy (H2D)")] + ([(HOST_TID, "host")] if tl.host else [])
+        for tid, name in lanes:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
 
         def span(name, cat, tid, start_ms, dur_ms, args):
@@ -38,6 +40,8 @@ def trace_events(timelines: list[Timeline]) -> list[dict]:
         for layer, expert, kind, start, dur, nbytes in tl.copies:
             span(f"L{layer} E{expert}", kind, COPY_TID, start, dur,
                  {"layer": layer, "expert": expert, "kind": kind, "bytes": nbytes})
+        for layer, start, dur in tl.host:
+            span(f"L{layer} host", "host", HOST_TID, start, dur, {"layer": layer})
     return events
 
 

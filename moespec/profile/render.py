@@ -81,6 +81,27 @@ def traffic_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
     return fit_tables(f"prompt {plen} tokens: bytes, prediction, quality vs exact", key, cols, width)
 
 
+def miss_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
+    """Where each strategy's experts ran per decode token (cache, fetched, host), what the host moved,
+    and the prefill's fetched / host-computed experts; [] when every strategy fetched its misses."""
+    res = [r for r in _rows(rep, plen) if "host" in r]
+    if not any(r.get("on_miss", "fetch") != "fetch" for r in res):
+        return []
+    key = [Column("strategy", [_name(r) for r in res], "left")]
+    cols = [
+        Column("cache", [f"{r['hits_per_token']:.1f}" for r in res]),
+        Column("fetched", [f"{r['misses_per_token']:.1f}" for r in res]),
+        Column("host", [f"{r['host']['experts_per_token']:.1f}" for r in res]),
+        Column("host\nms", [f"{r['host']['ms_per_token']:.2f}" for r in res]),
+        Column("D2H\nKB", [f"{r['host']['d2h_bytes_per_token'] / 1e3:.1f}" for r in res]),
+        Column("H2D out\nKB", [f"{r['host']['h2d_bytes_per_token'] / 1e3:.1f}" for r in res]),
+        Column("×\nfetch", [_f(r.get("tpot_ratio_vs_fetch"), ".3f") for r in res]),
+        Column("prefill\nf/h", [f"{r['host'].get('prefill_fetched', 0):.0f}/{r['host'].get('prefill_host', 0):.0f}"
+                                 for r in res]),
+    ]
+    return fit_tables(f"prompt {plen} tokens: where experts ran (per token)", key, cols, width)
+
+
 def recall_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
     """recall@K per layer (rows) and predicting strategy (columns); [] when nothing predicted."""
     res = [r for r in _rows(rep, plen) if r["recall"] is not None]
@@ -134,7 +155,8 @@ def render_report(rep: dict, console: Console, wide: bool = False) -> None:
         console.print(f"[dim]{escape(line)}[/]")
     for plen in dict.fromkeys(r["prompt_len"] for r in rep["results"]):
         for table in (*time_tables(rep, plen, width), *traffic_tables(rep, plen, width),
-                      *recall_tables(rep, plen, width), *hit_tables(rep, plen, width)):
+                      *miss_tables(rep, plen, width), *recall_tables(rep, plen, width),
+                      *hit_tables(rep, plen, width)):
             console.print(table)
     for line in _NOTES:
         console.print(f"[dim]{line}[/]")

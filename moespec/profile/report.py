@@ -17,6 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moespec.config import OnMiss
 from moespec.errors import DataError, OutputError
 from moespec.fsutil import atomic_path
 from moespec.models.quant_layout import expert_format
@@ -61,8 +62,9 @@ def describe(om, model_id: str) -> dict:
     }
 
 
-def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> dict:
+def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_miss: str = "fetch") -> dict:
     steps = [s for r in runs for s in r.steps]
+    pre = [r for r in runs if getattr(r, "prefill", None) is not None]
     n = max(len(steps), 1)
     tot = LayerStats()
     per_layer: dict[int, LayerStats] = {}
@@ -87,6 +89,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> 
         "execute": execute,
         "ttft_ms": _mean_std([r.ttft_ms for r in runs]),
         "tpot_ms": _mean_std(tpots),
+        "tpot_runs_ms": tpots,  # one mean TPOT per repeat (min / median on a shared machine)
         "tokens_per_s": _mean_std([1e3 / t for t in tpots if t > 0]),
         "tpot_ratio_vs_none": None,  # filled in once every strategy is known
         "stall_ms_per_token": tot.stall_ms / n,
@@ -94,7 +97,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> 
         "h2d_bytes_per_token": tot.h2d_bytes / n,
         "link_gbps_achieved": copy_bytes / copy_busy / 1e6 if copy_busy > 0 else None,
         "overlap_fraction": min(1.0, max(0.0, 1 - tot.stall_ms / copy_busy)) if copy_busy > 0 else None,
-        "hit_rate": _ratio(tot.hits, tot.hits + tot.misses),
+        "hit_rate": _ratio(tot.hits, tot.hits + tot.misses + tot.host_computed),
         "recall": _ratio(tot.recall_hits, tot.recall_total),
         "weighted_recall": _ratio(tot.weighted_hit, tot.weighted_total),
         "hits_per_token": tot.hits / n,
@@ -103,6 +106,14 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> 
         "prefetch_wasted_per_token": tot.prefetch_wasted / n,
         "prefetch_cancelled_per_token": getattr(tot, "prefetch_cancelled", 0) / n,
         "skipped_per_token": tot.skipped / n,
+        "on_miss": on_miss,
+        "tpot_ratio_vs_fetch": None,  # filled in once every strategy is known
+        "host": {"experts_per_token": tot.host_computed / n, "ms_per_token": tot.host_ms / n,
+                 "d2h_bytes_per_token": tot.d2h_bytes / n, "h2d_bytes_per_token": tot.host_h2d_bytes / n,
+                 # where the prefill's experts ran (per run): auto copies a chunk's expert when that wins
+                 "prefill_fetched": statistics.fmean(r.prefill.misses for r in pre) if pre else 0.0,
+                 "prefill_cached": statistics.fmean(r.prefill.hits for r in pre) if pre else 0.0,
+                 "prefill_host": statistics.fmean(r.prefill.host_computed for r in pre) if pre else 0.0},
         "quality": {"top1_agreement": sum(s.top1 for s in steps) / n, "kl_mean": sum(s.kl for s in steps) / n},
         "bounds": {"on_demand_ms": on_demand, "floor_ms": floor,
                    "compute_ms": statistics.fmean(s.bounds.compute_ms for s in steps) if steps else 0.0,
@@ -118,6 +129,8 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int) -> 
             "h2d_bytes": st.h2d_bytes / n, "stall_ms": st.stall_ms / n, "compute_ms": st.compute_ms / n,
             "layer_ms": layer_ms.get(layer, 0.0) / n, "recall": _ratio(st.recall_hits, st.recall_total),
             "weighted_recall": _ratio(st.weighted_hit, st.weighted_total), "skipped": st.skipped / n,
+            "host_computed": st.host_computed / n, "host_ms": st.host_ms / n, "d2h_bytes": st.d2h_bytes / n,
+            "host_h2d_bytes": st.host_h2d_bytes / n,
         } for layer, st in sorted(per_layer.items())],
     }
 
@@ -130,11 +143,17 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
         for strategy in cfg.strategies:
             runs = [r for r in prof.runs if r.prompt_len == plen and r.strategy == strategy.value]
             if runs:
-                results.append(_strategy_result(runs, cfg.execute.value, expert_bytes))
+                results.append(_strategy_result(runs, cfg.execute.value, expert_bytes,
+                                                getattr(strategy, "on_miss", OnMiss.FETCH).value))
     for res in results:
         base = next((r for r in results if r["strategy"] == "none" and r["prompt_len"] == res["prompt_len"]), None)
         if base is not None:
             res["tpot_ratio_vs_none"] = _ratio(res["tpot_ms"]["mean"], base["tpot_ms"]["mean"])
+        # The same predictor fetching its misses (router+host against router).
+        plain = res["strategy"].split("+")[0]
+        fetch = next((r for r in results if r["strategy"] == plain and r["prompt_len"] == res["prompt_len"]), None)
+        if fetch is not None:
+            res["tpot_ratio_vs_fetch"] = _ratio(res["tpot_ms"]["mean"], fetch["tpot_ms"]["mean"])
     link = prof.link
     method = ("emulated link: worker-thread copies throttled to --link-gbps" if link.emulated_gbps else
               "pinned host-to-device copies" if link.pinned else "host-to-device copies")

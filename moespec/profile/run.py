@@ -14,11 +14,12 @@ from typing import Callable
 
 import torch
 
-from moespec.config import ExecuteMode, Predictor
+from moespec.config import ExecuteMode, OnMiss, Predictor
 from moespec.predict.base import NextLayerPredictor
 from moespec.predict.oracle import OraclePredictor
 from moespec.profile.bounds import StepBounds, step_bounds
 from moespec.profile.probes import CopyLog, LayerTimer, installed
+from moespec.profile.strategy import Strategy
 from moespec.profile.trace import (TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
                                    token_sha256)
 from moespec.runtime.stats import LayerStats, StatsRecorder
@@ -30,7 +31,7 @@ class ProfileConfig:
     """What to profile.
 
     Attributes:
-        strategies: predictors to compare (ORACLE replays the exact run's routing).
+        strategies: predictor + on-miss arms to compare (ORACLE replays the exact run's routing).
         prompt_lens: prompt lengths P, one trace each.
         gen: N decode steps per run (teacher-forced).
         repeats: timed runs per strategy and prompt length.
@@ -41,7 +42,7 @@ class ProfileConfig:
         timeline: record a timeline of one decode step per strategy (``--trace``).
     """
 
-    strategies: tuple[Predictor, ...]
+    strategies: tuple[Strategy, ...]
     prompt_lens: tuple[int, ...]
     gen: int = 32
     repeats: int = 3
@@ -86,6 +87,7 @@ class RunRecord:
     ttft_ms: float
     steps: list[StepRecord]
     token_sha256: str
+    prefill: LayerStats | None = None  # the prefill step summed over layers (where its experts ran)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Timeline:
     Attributes:
         layers: (decoder layer, start_ms, dur_ms).
         inner: (decoder layer, "stall" | "experts", start_ms, dur_ms) inside the MoE block.
+        host: (decoder layer, start_ms, dur_ms) of each expert computed on the host (``--on-miss``).
         copies: (layer, expert, "demand" | "prefetch", start_ms, dur_ms, nbytes).
     """
 
@@ -105,6 +108,7 @@ class Timeline:
     layers: list[tuple[int, float, float]] = field(default_factory=list)
     inner: list[tuple[int, str, float, float]] = field(default_factory=list)
     copies: list[tuple[int, int, str, float, float, int]] = field(default_factory=list)
+    host: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -180,21 +184,26 @@ def _timeline(strategy: str, prompt_len: int, step: int, wall_ms: float, ref, sp
     at = lambda t: Span(ref, t).ms()  # noqa: E731 - ms from the step's start
     tl.layers = [(layer, at(s.start), s.ms()) for layer, s in spans]
     names = {"stall_ms": "stall", "compute_ms": "experts"}
-    tl.inner = [(layer, names.get(name, name), at(s.start), s.ms()) for layer, name, s in kept]
+    tl.inner = [(layer, names.get(name, name), at(s.start), s.ms()) for layer, name, s in kept if name != "host_ms"]
+    if isinstance(ref, float):  # host spans are perf_counter times: comparable with a CPU step clock only
+        tl.host = [(layer, at(s.start), s.ms()) for layer, name, s in kept if name == "host_ms"]
     tl.copies = [(c.layer, c.expert, c.kind, at(c.ticket.start), Span(c.ticket.start, c.ticket.end).ms(),
                   c.ticket.nbytes) for c in copies if c.ticket.start is not None]
     return tl
 
 
-def _run(om, engine, trace: TokenTrace, strategy: str, predictor: NextLayerPredictor, cfg: ProfileConfig,
+def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredictor, cfg: ProfileConfig,
          timer: LayerTimer, log: CopyLog, link_gbps: float, n_steps: int, repeat: int,
          timeline_step: int | None) -> tuple[RunRecord, Timeline | None]:
+    strategy = arm.name
     rec = _SpanKeepingRecorder(synchronize=log.synchronize)
     cold_start(om, engine, predictor, cfg.execute)
+    om.set_on_miss(arm.on_miss)
     om.set_recorder(rec)
     expert_bytes = om.store.expert_bytes
     engine.forward(trace.prompt, "prefill")
     ttft = rec.steps[-1].wall_ms
+    prefill = rec.steps[-1].total()
     timer.take()
     log.take()
     steps, timeline = [], None
@@ -221,12 +230,13 @@ def _run(om, engine, trace: TokenTrace, strategy: str, predictor: NextLayerPredi
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
-    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha), timeline
+    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill), timeline
 
 
 def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],
                 progress: Callable[[str], None] = lambda msg: None) -> ProfileRun:
-    """Profile ``predictors`` (strategy name -> predictor; "oracle" is built here) on ``om``.
+    """Profile ``cfg.strategies`` on ``om``; ``predictors`` maps a strategy name to its predictor (oracle
+    strategies are built here from each trace).
 
     Raises:
         DataError, PromptError: unreadable --data, prompt beyond the context.
@@ -238,28 +248,30 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
     progress(f"link: {link.gbps:.3g} GB/s measured ({link.copies} copies of {link.bytes_per_copy / 1e6:.2f} MB)")
     text, source = load_text(cfg.data)
     refs = list(om.runner.predictor.refs.values())
-    names = [s.value for s in cfg.strategies]
+    arms = cfg.strategies
     traces, runs, timelines = {}, [], []
-    saved = (om.runner.predictor, om.runner.execute, om.recorder)
+    saved = (om.runner.predictor, om.runner.execute, om.recorder, om.runner.on_miss)
     with installed(om) as (timer, log):
         try:
             for plen in cfg.prompt_lens:
                 prompt = prompt_tokens(tokenizer, text, plen, int(om.config.get_text_config().vocab_size), cfg.seed)
                 progress(f"prompt {plen}: exact run (records the trace)")
+                om.set_on_miss(OnMiss.FETCH)  # the trace is the plain exact run
                 trace = record_trace(om, engine, prompt, cfg.gen, source)
                 traces[plen] = trace
                 preds = dict(predictors)
-                if "oracle" in names:
-                    preds["oracle"] = OraclePredictor(om.adapter, refs, trace.routings)
-                for name in names:
-                    progress(f"prompt {plen}: warm-up {name}")
-                    _run(om, engine, trace, name, preds[name], cfg, timer, log, link.gbps,
+                if any(a.predictor == Predictor.ORACLE for a in arms):
+                    oracle = OraclePredictor(om.adapter, refs, trace.routings)
+                    preds.update({a.name: oracle for a in arms if a.predictor == Predictor.ORACLE})
+                for arm in arms:
+                    progress(f"prompt {plen}: warm-up {arm.name}")
+                    _run(om, engine, trace, arm, preds[arm.name], cfg, timer, log, link.gbps,
                          min(cfg.warmup_steps, cfg.gen), -1, None)
                 for r in range(cfg.repeats):
-                    for name in names:
-                        progress(f"prompt {plen}: {name} repeat {r + 1}/{cfg.repeats}")
+                    for arm in arms:
+                        progress(f"prompt {plen}: {arm.name} repeat {r + 1}/{cfg.repeats}")
                         want = cfg.timeline and plen == cfg.prompt_lens[0] and r == cfg.repeats - 1
-                        run, tl = _run(om, engine, trace, name, preds[name], cfg, timer, log, link.gbps,
+                        run, tl = _run(om, engine, trace, arm, preds[arm.name], cfg, timer, log, link.gbps,
                                        cfg.gen, r, cfg.gen // 2 if want else None)
                         runs.append(run)
                         if tl is not None:
@@ -268,4 +280,5 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
             om.runner.reset_step()
             om.runner.predictor, om.runner.execute = saved[0], saved[1]
             om.set_recorder(saved[2])
+            om.set_on_miss(saved[3])
     return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines)

@@ -26,10 +26,12 @@ _PER_LAYER = _obj({
     "layer": _INT, "hits": _NUM, "misses": _NUM, "prefetched": _NUM, "prefetch_used": _NUM,
     "prefetch_wasted": _NUM, "h2d_bytes": _NUM, "stall_ms": _NUM, "compute_ms": _NUM, "layer_ms": _NUM,
     "recall": _NUM_OR_NULL, "weighted_recall": _NUM_OR_NULL, "skipped": _NUM,
-})
+    "host_computed": _NUM, "host_ms": _NUM, "d2h_bytes": _NUM, "host_h2d_bytes": _NUM,
+}, required=["layer", "hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted", "h2d_bytes", "stall_ms",
+             "compute_ms", "layer_ms", "recall", "weighted_recall", "skipped"])
 
 _RESULT = _obj({
-    "strategy": {"type": "string", "enum": ["none", "router", "quasi", "estimator", "hybrid", "oracle"]},
+    "strategy": _STR,  # a predictor, or PREDICTOR+ONMISS (profile/strategy.py)
     "upper_bound": {"type": "boolean"},
     "prompt_len": _INT,
     "execute": _STR,
@@ -51,6 +53,12 @@ _RESULT = _obj({
     "prefetch_wasted_per_token": _NUM,
     "prefetch_cancelled_per_token": _NUM,
     "skipped_per_token": _NUM,
+    "on_miss": {"type": "string", "enum": ["fetch", "host", "auto"]},
+    "tpot_ratio_vs_fetch": _NUM_OR_NULL,
+    "tpot_runs_ms": {"type": "array", "items": _NUM},
+    "host": _obj({"experts_per_token": _NUM, "ms_per_token": _NUM, "d2h_bytes_per_token": _NUM,
+                  "h2d_bytes_per_token": _NUM, "prefill_fetched": _NUM, "prefill_cached": _NUM,
+                  "prefill_host": _NUM}),
     "quality": _obj({"top1_agreement": _NUM, "kl_mean": _NUM}),
     "bounds": _obj({"on_demand_ms": _NUM, "floor_ms": _NUM, "compute_ms": _NUM, "copy_ms": _NUM,
                     "copy_share": _NUM_OR_NULL, "distance_ms": _NUM, "distance_ratio": _NUM_OR_NULL}),
@@ -59,6 +67,9 @@ _RESULT = _obj({
     "token_sha256": _STR,
     "per_layer": {"type": "array", "items": _PER_LAYER},
 })
+# Reports written before --on-miss have none of these: optional, so they still load.
+_RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host",
+                                                                           "tpot_runs_ms")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -340,6 +340,18 @@ class ExpertCache:
         self._from_prefetch[slot] = False
         return was
 
+    def landed(self, key: Key) -> bool:
+        """True when ``key`` is resident and its copy has finished (no stall to read it); no host sync."""
+        slot = self._where.get(key)
+        if slot is None:
+            return False
+        ticket = self._ticket[slot]
+        return ticket is None or self.engine.landed(ticket)
+
+    def copies_in_flight(self) -> int:
+        """Copies issued into slots that have not landed yet (the link's backlog, for the miss planner)."""
+        return sum(1 for t in self._ticket if t is not None and not self.engine.landed(t))
+
     def wait(self, slot: int) -> Span | None:
         """Make compute wait for the copy into ``slot``; returns the stall span or None if none pending."""
         ticket = self._ticket[slot]

@@ -13,7 +13,9 @@ Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert c
   6. l+1's predicted experts are prefetched (after l's demand copies, which go first);
   7. l's experts run in the order their copies land; each slot is released after use and the
      freed slot takes the next missing expert (so a prefill touching every expert streams the
-     whole layer through a small cache in one pass).
+     whole layer through a small cache in one pass). Misses that ``--on-miss host|auto`` sends to
+     the host start on the host pool before the device's experts and are summed after them
+     (miss_policy.py, host_compute.py): the sum is the same TopkSum either way.
 A prefill reads only the per-expert pair counts (one argsort grouping, experts.group_by_expert).
 Statistics computed on the device (recall, skipped mass) are read once per step at end_step, so
 a layer costs at most one host sync in every mode. Prediction and approximate modes apply to
@@ -27,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moespec.config import ExecuteMode
+from moespec.config import ExecuteMode, OnMiss
 from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
-from moespec.runtime.experts import TopkSum, decode_contribution, gated, group_by_expert, sum_one_token
+from moespec.runtime.experts import TopkSum, gated, group_by_expert, sum_one_token
 from moespec.runtime.guard import guard_signals, plan_guard, substituted_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
@@ -72,6 +74,9 @@ class MoeLayerRunner:
         self.prefetch_pins: dict[int, list[int]] = {}  # target layer -> slots pinned by prefetch
         self.routings: dict[int, Routing] = {}  # layer -> routing that ran (for oracle/calibration)
         self.record_routing = False
+        # Where misses run (--on-miss): FETCH, or the host pool + cost model (miss_policy.MissPlanner).
+        self.on_miss = OnMiss.FETCH
+        self.host = None
         # Optional observer (calibration, estimator data collection): gets .routing(layer, x,
         # residual, routing) and .expert_output(layer, expert, token_idx, raw_output); None = free.
         self.observer = None
@@ -83,6 +88,8 @@ class MoeLayerRunner:
                 self.cache.unused_prefetch(slot)
                 self.cache.release(slot)
         self.prefetch_pins.clear()
+        if self.host is not None:
+            self.host.layer_started(new_step=True)
         self.predicted.clear()
         self.residual.clear()
         self.routings.clear()
@@ -103,6 +110,8 @@ class MoeLayerRunner:
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""
         stats = self.recorder.layer(block.layer)
+        if self.host is not None:
+            self.host.layer_started(new_step=x.shape[0] != 1)  # decode layers feed the layer-time average
         if x.shape[0] == 1:
             out = self._decode(block, x, stats)
         else:
@@ -126,14 +135,17 @@ class MoeLayerRunner:
         groups = group_by_expert(routing.ids, self.adapter.num_experts())  # the layer's one host read
         acc = TopkSum(x, routing.weights)
 
-        def contribute(e: int, row: torch.Tensor) -> None:
+        def inputs(e: int) -> torch.Tensor:
+            return x[groups.positions(e)[0]]  # [t, H]
+
+        def put(e: int, raw: torch.Tensor) -> None:  # raw [t, H], from a slot or from the host
             tok, kpos, flat = groups.positions(e)  # [t] each
-            raw = self.cache.store.layout.forward(x[tok], row, block.act_fn)  # [t, H]
             if self.observer is not None:
                 self.observer.expert_output(layer, e, tok, raw)
             acc.put_pairs(flat, gated(raw, routing.weights[tok, kpos, None]))
 
-        self._stream(layer, groups.experts, stats, contribute, None)
+        tokens = {e: end - start for e, (start, end) in groups.spans.items()}
+        self._stream(layer, groups.experts, stats, _Work(inputs, put, block.act_fn, tokens.__getitem__), None)
         return acc.result()
 
     # --- decode: one token, every mode -------------------------------------------------------
@@ -166,17 +178,16 @@ class MoeLayerRunner:
         k_of = {e: k for k, e in enumerate(host_ids)}
         weighted: list = [None] * len(host_ids)  # [1, H] per top-k position
 
-        def contribute(e: int, row: torch.Tensor) -> None:
-            raw, y = decode_contribution(x, routing, k_of[e], row, self.cache.store.layout, block.act_fn)
+        def put(e: int, raw: torch.Tensor) -> None:  # raw [1, H], from a slot or from the host
             if self.observer is not None:
                 self.observer.expert_output(layer, e, torch.zeros(1, dtype=torch.long, device=x.device), raw)
-            weighted[k_of[e]] = y
+            weighted[k_of[e]] = gated(raw, routing.weights[:, k_of[e] : k_of[e] + 1])  # [1, H]
 
         prefetch = None
         if nxt is not None:
             pred = _Prediction(nxt, got)
             prefetch = lambda: self._prefetch_next(layer, pred)  # noqa: E731 - after l's demand copies
-        self._stream(layer, sorted(k_of), stats, contribute, prefetch)
+        self._stream(layer, sorted(k_of), stats, _Work(lambda e: x, put, block.act_fn, lambda e: 1), prefetch)
         return sum_one_token(weighted, x)
 
     def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None,
@@ -229,7 +240,13 @@ class MoeLayerRunner:
         self.predicted[target] = pred
         tstats = self.recorder.layer(target)
         pins = []
-        for e in sorted(set(pred.host_ids)):
+        wanted = sorted(set(pred.host_ids))
+        if self.on_miss == OnMiss.AUTO and self.host is not None:
+            # Auto: a miss never waits on the link, so prefetch only what can land before the target layer
+            # runs (the highest-weight predictions first); the rest is computed on the host there.
+            budget = self.host.prefetch_budget(self.cache.copies_in_flight())
+            wanted = list(dict.fromkeys(pred.host_ids))[:budget]
+        for e in wanted:
             got = self.cache.prefetch((target, e))
             if got is None:
                 break  # no free slot: prefetch is best effort
@@ -240,14 +257,21 @@ class MoeLayerRunner:
                 tstats.h2d_bytes += self.expert_bytes
         self.prefetch_pins[target] = pins
 
-    def _stream(self, layer: int, experts: list[int], stats: LayerStats, contribute, prefetch) -> None:
+    def _stream(self, layer: int, experts: list[int], stats: LayerStats, work: "_Work", prefetch) -> None:
         """Acquire ``experts`` (ascending ids) of ``layer``, run ``prefetch()`` once l's demand copies are
-        queued, then ``contribute(expert, row [P])`` for each in the order their copies land."""
+        queued, compute each on the device in the order their copies land (``work.put(e, raw [t, H])``).
+
+        Misses the miss planner sends to the host (``--on-miss host|auto``) start on the host pool
+        first and are collected after the device's experts, so both compute at the same time.
+        """
         cache, rec = self.cache, self.recorder
+        layout = cache.store.layout
         kept_prefetch = self._release_unused_prefetch(layer, set(experts), stats)
         # Resident experts first (no wait), then misses in id order.
         resident = cache.resident_experts(layer)
-        pending = deque([e for e in experts if e in resident] + [e for e in experts if e not in resident])
+        host_jobs = self._start_host(layer, experts, resident, stats, work)
+        device = [e for e in experts if e not in host_jobs]
+        pending = deque([e for e in device if e in resident] + [e for e in device if e not in resident])
         in_flight: deque = deque()
 
         def fill() -> None:
@@ -272,7 +296,7 @@ class MoeLayerRunner:
             e, slot = in_flight.popleft()
             rec.span(stats, "stall_ms", cache.wait(slot))
             t0 = cache.engine.mark() if rec.enabled else None
-            contribute(e, cache.row(slot))  # [P] packed expert, computed by its layout
+            work.put(e, layout.forward(work.inputs(e), cache.row(slot), work.act))  # [t, H] from the slot
             if rec.enabled:
                 rec.span(stats, "compute_ms", Span(t0, cache.engine.mark()))
             cache.release(slot)
@@ -282,6 +306,46 @@ class MoeLayerRunner:
                     f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
                     "raise --cache-experts / --gpu-memory",
                 )
+        for e, job in host_jobs.items():  # ascending ids; the sum's order is fixed by put's positions
+            done = job.result()
+            rec.span(stats, "host_ms", Span(done.start, done.end))
+            self.host.observe(done)
+            work.put(e, done.raw)
+
+    def _start_host(self, layer: int, experts: list[int], resident: set[int], stats: LayerStats,
+                    work: "_Work") -> dict:
+        """Submit the experts the miss planner sends to the host; returns {expert: HostJob}."""
+        if self.on_miss == OnMiss.FETCH or self.host is None:
+            return {}
+        cache = self.cache
+        misses = [(e, work.tokens(e)) for e in experts if e not in resident]
+        landed, in_flight, queued = [], [], 0
+        if self.on_miss == OnMiss.AUTO:
+            for e in experts:
+                if e in resident:
+                    (landed if cache.landed((layer, e)) else in_flight).append((e, work.tokens(e)))
+            queued = cache.copies_in_flight() - len(in_flight)
+        plan = self.host.plan(self.on_miss, landed, in_flight, misses, max(queued, 0))
+        jobs = {}
+        for e in experts:
+            if e in plan.host:
+                job = self.host.pool.submit(layer, e, work.inputs(e), work.act)
+                stats.host_computed += 1
+                stats.d2h_bytes += job.d2h_bytes
+                stats.host_h2d_bytes += job.h2d_bytes
+                jobs[e] = job
+        return jobs
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What _stream computes for each expert: its inputs [t, H], where its raw output [t, H] goes,
+    the block's activation, and its token count t (host int)."""
+
+    inputs: object
+    put: object
+    act: object
+    tokens: object
 
 
 def _record_recall(rec: StatsRecorder, stats: LayerStats, predicted: Routing, true: Routing) -> None:

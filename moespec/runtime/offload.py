@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moespec.config import Predictor, RuntimeConfig, format_binary
+from moespec.config import OnMiss, Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CheckpointError, DeviceError, OptionError
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
@@ -166,12 +166,33 @@ class OffloadedModel:
         _wire_recorder(recorder, self.cache.engine)
         self.runner.recorder = recorder
 
+    def set_on_miss(self, mode: OnMiss) -> None:
+        """Where cache misses run from now on; the first host/auto use starts the host pool and
+        benchmarks the costs (miss_policy.measure_costs).
+
+        Raises:
+            OptionError: the host cannot compute this model's experts (names --on-miss).
+        """
+        runner = self.runner
+        if mode != OnMiss.FETCH and runner.host is None:
+            from moespec.runtime.host_compute import HostExpertPool, default_host_threads
+            from moespec.runtime.miss_policy import MissPlanner, measure_costs
+
+            first = self.model.model.layers[self.store.moe_layers[0]].mlp
+            what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
+            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
+            threads = self.runtime_config.host_threads or default_host_threads(self.device)
+            runner.host = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
+        runner.on_miss = mode
+
     def max_context(self) -> int:
         """The model's context length in tokens."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
 
     def close(self) -> None:
-        """Finish every copy, stop the transfer engine, then unpin the host store."""
+        """Finish every copy and host job, stop the transfer engine, then unpin the host store."""
+        if self.runner.host is not None:
+            self.runner.host.close()
         self.cache.engine.close()
         self.store.close()
 
@@ -282,7 +303,13 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     if saved is not None and not from_cache:
         saved.save(store)
     runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-    return OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg)
+    om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg)
+    try:
+        om.set_on_miss(cfg.on_miss)
+    except BaseException:
+        om.close()
+        raise
+    return om
 
 
 def _residual_hook(runner: MoeLayerRunner, layer: int):

@@ -26,7 +26,9 @@ class LayerStats:
     ran; prefetch_cancelled counts mispredicted copies dropped before they started (no bytes).
     recall_hits/recall_total: |predicted ∩ true top-K| and K summed over tokens; weighted_* the
     true gate mass covered. skipped: true top-K experts that did not run (speculative, guarded);
-    skipped_mass: their true gate weight. Counters computed on the device wait in ``pending`` (as
+    skipped_mass: their true gate weight. host_computed: misses computed on the host from their store
+    row (``--on-miss host|auto``; counted in neither hits nor misses); host_ms: their host time;
+    d2h_bytes / host_h2d_bytes: the activations they sent to the host and the outputs that came back. Counters computed on the device wait in ``pending`` (as
     times wait in ``spans``) until end_step reads them all in one transfer.
     """
 
@@ -46,6 +48,10 @@ class LayerStats:
     skipped: int = 0
     skipped_mass: float = 0.0
     substituted: int = 0
+    host_computed: int = 0
+    host_ms: float = 0.0
+    d2h_bytes: int = 0
+    host_h2d_bytes: int = 0
     spans: list = field(default_factory=list, repr=False)  # (field name, Span), resolved at end_step
     pending: list = field(default_factory=list, repr=False)  # (field name, 0-dim tensor), read at end_step
 
@@ -192,6 +198,7 @@ class Summary:
         h2d_mb_per_token, stall_ms_per_token, compute_ms_per_token: per decode token.
         prefetch_wasted_per_token: prefetched experts never used, per decode token.
         skipped_per_token: true top-K experts not run per decode token (approximate modes).
+        host_experts_per_token, host_ms_per_token: misses computed on the host, and their host ms.
         reused_tokens: prompt tokens whose keys/values came from the KV cache (multi-turn chat);
             the whole prompt is prompt_tokens + reused_tokens.
     """
@@ -209,6 +216,8 @@ class Summary:
     compute_ms_per_token: float
     prefetch_wasted_per_token: float
     skipped_per_token: float
+    host_experts_per_token: float = 0.0
+    host_ms_per_token: float = 0.0
     reused_tokens: int = 0
 
     def footer(self, policy: str | None = None) -> str:
@@ -248,11 +257,14 @@ def summarize(steps: list[StepStats]) -> Summary:
         tokens_per_s=1e3 / tpot if tpot > 0 else 0.0,
         recall=tot.recall_hits / tot.recall_total if tot.recall_total else None,
         weighted_recall=tot.weighted_hit / tot.weighted_total if tot.weighted_total else None,
-        hit_rate=tot.hits / (tot.hits + tot.misses) if tot.hits + tot.misses else 0.0,
+        hit_rate=tot.hits / (tot.hits + tot.misses + tot.host_computed) if tot.hits + tot.misses + tot.host_computed
+        else 0.0,
         h2d_mb_per_token=tot.h2d_bytes / n / 1e6,
         stall_ms_per_token=tot.stall_ms / n,
         compute_ms_per_token=tot.compute_ms / n,
         prefetch_wasted_per_token=tot.prefetch_wasted / n,
         skipped_per_token=tot.skipped / n,
+        host_experts_per_token=tot.host_computed / n,
+        host_ms_per_token=tot.host_ms / n,
         reused_tokens=sum(s.reused_tokens for s in prefill),
     )

@@ -110,8 +110,9 @@ class TransferEngine:
 
     def landed(self, ticket: Ticket) -> bool:
         """True when ``ticket``'s copy can no longer write its slot (finished, waited or cancelled);
-        never blocks. The cache gives a prefetch only slots whose copy landed."""
-        return ticket.cancelled or ticket.waited
+        a query, never blocks. The cache gives a prefetch only slots whose copy landed."""
+        done = ticket.done
+        return ticket.cancelled or ticket.waited or (done is not None and done.is_set())
 
     def slot_released(self, slot: int) -> None:
         """Compute has issued its last read of ``slot``: later copies into it must wait for that."""

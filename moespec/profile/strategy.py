@@ -1,0 +1,79 @@
+"""Profile strategies: a predictor and where its misses run (``--strategies``, ``--on-miss``).
+
+A strategy is written ``PREDICTOR`` or ``PREDICTOR+ONMISS`` (``router+host``, ``none+auto``). A
+bare predictor runs once per ``--on-miss`` value (default ``fetch``), so
+``--strategies none,router --on-miss fetch,host,auto`` compares six side by side. A fetch strategy
+keeps the plain predictor name (``none``, ``router``: today's reports read the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moespec.config import OnMiss, Predictor
+from moespec.errors import OptionError
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One profiled arm.
+
+    Attributes:
+        predictor: what predicts the next layer's experts.
+        on_miss: where a miss runs.
+    """
+
+    predictor: Predictor
+    on_miss: OnMiss = OnMiss.FETCH
+
+    @property
+    def name(self) -> str:
+        """``router`` for fetch, ``router+host`` otherwise (the report's ``strategy``)."""
+        p = self.predictor.value
+        return p if self.on_miss == OnMiss.FETCH else f"{p}+{self.on_miss.value}"
+
+    @property
+    def value(self) -> str:
+        """The name (reads like Predictor.value where strategies were predictors)."""
+        return self.name
+
+
+def _choice(kind, text: str, flag: str):
+    try:
+        return kind(text)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise OptionError(f"{flag} {text!r} is not valid", f"choose from: {choices}") from None
+
+
+def parse_on_miss_list(text: str) -> tuple[OnMiss, ...]:
+    """``fetch,host,auto`` -> OnMiss values in order, duplicates dropped.
+
+    Raises:
+        OptionError: empty, or an unknown value (names --on-miss).
+    """
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise OptionError("--on-miss is empty", "e.g. --on-miss fetch,host,auto")
+    return tuple(dict.fromkeys(_choice(OnMiss, n, "--on-miss") for n in names))
+
+
+def parse_strategies(text: str, on_miss: tuple[OnMiss, ...] = (OnMiss.FETCH,)) -> tuple[Strategy, ...]:
+    """Strategies of ``--strategies`` crossed with the ``--on-miss`` list, in the order given.
+
+    Raises:
+        OptionError: empty, unknown predictor or on-miss value (names --strategies).
+    """
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise OptionError("--strategies is empty", "e.g. --strategies none,router,oracle or router+host")
+    out: list[Strategy] = []
+    for name in names:
+        pred, _, where = name.partition("+")
+        predictor = _choice(Predictor, pred.strip(), "--strategies")
+        modes = (_choice(OnMiss, where.strip(), "--strategies"),) if where else on_miss
+        for m in modes:
+            s = Strategy(predictor, m)
+            if s not in out:
+                out.append(s)
+    return tuple(out)

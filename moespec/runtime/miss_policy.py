@@ -1,0 +1,218 @@
+"""Where a cache miss runs: fetched into a slot, or computed on the host (``--on-miss``).
+
+Shapes: t tokens routed to one expert, H hidden, P packed elements per expert.
+
+Costs (all ms, measured at load by a short benchmark, :func:`measure_costs`):
+  copy_ms        one expert over the link (expert bytes / measured GB/s);
+  host_ms(t)     one expert for t tokens on the host pool, a + b*t, kept as a running average
+                 (every finished host job rescales it);
+  device_ms(t)   one expert for t tokens on the device, a + b*t.
+
+Plan of one layer (:meth:`MissPlanner.plan`, a greedy list schedule in the layer's miss order):
+the device first computes the resident experts (and waits for in-flight prefetches), the link
+already has ``queued`` copies ahead; each miss then goes where it would finish first:
+  fetch: max(link free + copy_ms, device free) + device_ms(t)
+  host:  earliest free host worker + host_ms(t)
+and that resource's clock advances. ``host`` sends every miss to the host; ``fetch`` none. A
+prefetch still in flight is a miss whose copy is already on the link: it waits for it, or (auto)
+computes on the host when that finishes first (its copy is not cancelled: it lands for later).
+Decode (t = 1) on a slow link goes to the host; a prefill chunk (large t) where the device is
+faster than the host plus the copy goes to the device. (FreeToken and Fiddler make the same
+per-step choice from a measured link profile.)
+
+Prefetch under ``auto``: a miss never waits on the link, so a prediction is only worth copying
+if it lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many copies as
+one layer's running-average wall time carries, less the copies already queued (highest predicted
+weight first). Without it, a slow link queues copies that every later step drains.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moespec.config import OnMiss
+from moespec.errors import OptionError
+from moespec.runtime.host_compute import HostExpertPool, HostResult, host_forward
+
+_BENCH_TOKENS = (1, 16)
+_AVERAGE = 0.2  # weight of a new observation in the running average of host ms
+
+
+@dataclass
+class Costs:
+    """Measured costs (ms) of one expert; ``host_scale`` is the running correction of host_ms.
+
+    Attributes:
+        copy_ms: one expert host->device.
+        host_ms_1, host_ms_16: host compute for 1 and 16 tokens.
+        device_ms_1, device_ms_16: device compute for 1 and 16 tokens.
+        host_scale: running average of observed / predicted host ms.
+        shared: host and device are the same processor (CPU): what slows the host (other load)
+            slows the device alike, so device_ms follows host_scale too (else every slow host job
+            would bias the choice toward fetching).
+    """
+
+    copy_ms: float
+    host_ms_1: float
+    host_ms_16: float
+    device_ms_1: float
+    device_ms_16: float
+    host_scale: float = 1.0
+    shared: bool = False
+
+    @staticmethod
+    def _line(ms_1: float, ms_16: float, tokens: int) -> float:
+        slope = max(ms_16 - ms_1, 0.0) / 15
+        return max(ms_1 + slope * (tokens - 1), 0.0)
+
+    def host_ms(self, tokens: int) -> float:
+        """Predicted host ms for ``tokens`` tokens."""
+        return self.host_scale * self._line(self.host_ms_1, self.host_ms_16, tokens)
+
+    def device_ms(self, tokens: int) -> float:
+        """Predicted device ms for ``tokens`` tokens."""
+        return (self.host_scale if self.shared else 1.0) * self._line(self.device_ms_1, self.device_ms_16, tokens)
+
+    def observe_host(self, tokens: int, ms: float) -> None:
+        """Fold one finished host job into the running average."""
+        want = self._line(self.host_ms_1, self.host_ms_16, tokens)
+        if want > 0 and ms > 0:
+            self.host_scale += _AVERAGE * (ms / want - self.host_scale)
+
+
+def _median_ms(fn, reps: int = 3) -> float:
+    fn()  # warm-up (allocations, kernel choice)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, what: str) -> Costs:
+    """Benchmark one expert: the link copy, host and device compute for 1 and 16 tokens.
+
+    Args:
+        store: the ExpertStore; engine: the transfer engine; device, dtype: compute device and dtype.
+        act: an MoE block's activation (None where the layout has its own).
+        what: the model and dtype in words, for the error message.
+
+    Raises:
+        OptionError: the host cannot compute these experts (names --on-miss).
+    """
+    layout, layer = store.layout, store.moe_layers[0]
+    row = store.expert(layer, 0)  # [P] host row, read in place
+    hidden = layout.hidden
+    try:
+        host = {t: _median_ms(lambda t=t: host_forward(layout, torch.zeros(t, hidden, dtype=dtype), row, act))
+                for t in _BENCH_TOKENS}
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise OptionError(f"--on-miss cannot compute {what} experts on the host: {str(exc).splitlines()[0]}",
+                          "use --on-miss fetch") from None
+    scratch = torch.empty(row.shape, dtype=row.dtype, device=device)  # [P]
+
+    def copy() -> None:
+        engine.wait(engine.submit(scratch, row, -1))
+        engine.synchronize()
+
+    copy_ms = _median_ms(copy)
+
+    def on_device(t: int) -> None:
+        layout.forward(torch.zeros(t, hidden, dtype=dtype, device=device), scratch, act)
+        engine.synchronize()  # why: device time, not launch time
+
+    dev = {t: _median_ms(lambda t=t: on_device(t)) for t in _BENCH_TOKENS}
+    return Costs(copy_ms=copy_ms, host_ms_1=host[1], host_ms_16=host[16], device_ms_1=dev[1], device_ms_16=dev[16],
+                 shared=device.type == "cpu")
+
+
+@dataclass(frozen=True)
+class MissPlan:
+    """Which experts of one layer run on the host, and the plan's predicted finish times (ms)."""
+
+    host: frozenset[int]
+    device_ms: float
+    host_ms: float
+
+
+class MissPlanner:
+    """The per-layer fetch-or-host choice for one loaded model, with its host pool.
+
+    Args:
+        costs: measured costs (updated as host jobs finish).
+        pool: the host worker pool.
+    """
+
+    def __init__(self, costs: Costs, pool: HostExpertPool) -> None:
+        self.costs = costs
+        self.pool = pool
+        self.layer_ms: float | None = None  # running average of one MoE layer's wall time (decode)
+        self._last: float | None = None
+
+    def layer_started(self, new_step: bool = False) -> None:
+        """Mark the start of an MoE layer (``new_step``: a new forward; the gap before it is not a layer)."""
+        now = time.perf_counter()
+        if not new_step and self._last is not None:
+            ms = (now - self._last) * 1e3
+            self.layer_ms = ms if self.layer_ms is None else self.layer_ms + _AVERAGE * (ms - self.layer_ms)
+        self._last = None if new_step else now
+
+    def prefetch_budget(self, in_flight: int) -> int:
+        """Auto mode: how many prefetch copies can land before the next layer runs (one layer's time on
+        the link, less the copies already on it). Unknown layer time (first layer): one."""
+        if self.layer_ms is None:
+            return 1
+        return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, 0)
+
+    def plan(self, mode: OnMiss, resident: list[tuple[int, int]], in_flight: list[tuple[int, int]],
+             misses: list[tuple[int, int]], queued: int) -> MissPlan:
+        """Decide where the misses of one layer run.
+
+        Args:
+            mode: FETCH (none on the host), HOST (every miss; in-flight prefetches still run on the
+                device), AUTO (per miss and per in-flight prefetch, see the module docstring).
+            resident: (expert, t) resident and landed: computed on the device.
+            in_flight: (expert, t) resident but whose copy may not have landed (a prefetch).
+            misses: (expert, t) not resident, in the order they would be fetched.
+            queued: copies already on the link ahead of this layer's.
+
+        Returns:
+            MissPlan; ``host`` never holds a resident expert.
+        """
+        if mode == OnMiss.FETCH:
+            return MissPlan(frozenset(), 0.0, 0.0)
+        if mode == OnMiss.HOST:
+            return MissPlan(frozenset(e for e, _ in misses), 0.0, 0.0)
+        c = self.costs
+        dev = sum(c.device_ms(t) for _, t in resident)
+        link = queued * c.copy_ms
+        workers = [0.0] * self.pool.threads
+        host: set[int] = set()
+        for (e, t), landed_by in [((e, t), None) for e, t in in_flight] + [((e, t), 0.0) for e, t in misses]:
+            if landed_by is None:  # an in-flight prefetch: its copy is somewhere on the link
+                fetch_done = max(link / 2 + c.copy_ms / 2, dev) + c.device_ms(t)
+            else:
+                fetch_done = max(link + c.copy_ms, dev) + c.device_ms(t)
+            w = min(range(len(workers)), key=workers.__getitem__)
+            host_done = workers[w] + c.host_ms(t)
+            if host_done < fetch_done:
+                host.add(e)
+                workers[w] = host_done
+            else:
+                if landed_by is not None:
+                    link += c.copy_ms
+                dev = fetch_done
+        return MissPlan(frozenset(host), dev, max(workers))
+
+    def observe(self, result: HostResult) -> None:
+        """Update the running average of host ms from a finished job."""
+        self.costs.observe_host(result.tokens, result.host_ms)
+
+    def close(self) -> None:
+        """Stop the host pool."""
+        self.pool.close()
