@@ -69,9 +69,14 @@ def test_greedy_generation_matches_transformers(tiny_models, on_miss):
     assert got == want
 
 
-@pytest.mark.parametrize("execute", [ExecuteMode.SPECULATIVE, ExecuteMode.GUARDED])
+@pytest.mark.parametrize("execute", [ExecuteMode.SPECULATIVE])
 def test_approximate_modes_run_the_same_experts(tiny_models, execute):
-    """Speculative / guarded: which experts run is decided before the miss path, so host equals fetch."""
+    """Speculative: which experts run is decided before the miss path, so host equals fetch.
+
+    Guarded is not compared: its choice depends on what is resident, and a host-computed miss never
+    enters the cache (with the prefetch area of runtime/cache.py the resident sets of fetch and host
+    runs differ after the first miss), so the two runs may substitute different experts.
+    """
     folder = tiny_models["mixtral"]
     prompt = [5, 17, 99, 3, 200, 41]
     out = {}
