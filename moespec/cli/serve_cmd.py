@@ -6,9 +6,10 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt, ExpertDtype,
-                                FetchThreshold, GpuMemory, LinkGbps, ModelArg, PredictorOpt, Seed, Threads,
-                                err_console, handles_errors, register_command, set_threads)
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
+                                ExpertDtype, FetchThreshold, GpuMemory, GroupSize, HostThreads, LinkGbps, ModelArg,
+                                OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
+                                set_threads)
 from moespec.errors import MoespecError
 
 HELP = """Serve an MoE model through an OpenAI-compatible HTTP API.
@@ -79,6 +80,10 @@ def serve(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    group_size: Optional[int] = GroupSize,
+    cache_policy: Optional[str] = CachePolicyOpt,
+    on_miss: str = OnMissOpt,
+    host_threads: Optional[int] = HostThreads,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
@@ -106,6 +111,7 @@ def serve(
         device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed)
