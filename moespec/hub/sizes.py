@@ -303,24 +303,26 @@ def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto", group_siz
     return ModelSizes(model_type, dtype, bpp, params, "mxfp4" if mxfp4 else dtype)
 
 
-def format_bytes(n: int) -> str:
-    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
+def _decimal_bytes(n: int, below: float, fmt: str) -> str:
+    """``n`` bytes in the largest decimal unit that keeps the value under ``below``, as ``fmt``."""
     value = float(n)
     for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        if abs(value) < below or unit == "TB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:{fmt}} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def format_bytes(n: int) -> str:
+    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
+    return _decimal_bytes(n, 1000, ".2f")
 
 
 def format_bytes_short(n: int) -> str:
     """``n`` bytes with 3 significant digits, for narrow table columns: ``702 MB``, ``66.4 MB``, ``6.14 kB``."""
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 999.5 or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
+    return _decimal_bytes(n, 999.5, ".3g")  # 999.5 rounds to 1e3 at 3 digits: the next unit instead
+
+
 def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:
     """``sizes`` with experts counted as ``--expert-dtype`` int8 / int4 stores them (other values: unchanged).
 
