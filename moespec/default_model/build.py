@@ -90,6 +90,9 @@ def ensure_default_model(console: Console | None = None, rebuild: bool = False, 
     """
     folder = default_model_dir()
     if not rebuild and is_complete(folder):
+        from moespec.default_model import source
+
+        source.remove_legacy_copy()  # a cache from before 0.1 (recipe 5) may still hold it
         return folder
     console = console or Console(stderr=True)
     with _build_lock(folder.parent, console):

