@@ -115,6 +115,30 @@ def test_host_path_equals_the_slow_reference(tiny_models):
         om.close()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_layer_batches_equal_one_job_per_expert(tiny_models, threads):
+    """submit_layer (one hand-off per worker) == submit per expert, job for job, in the order given."""
+    om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(cache_experts=4))
+    try:
+        pool = HostExpertPool(om.store, om.device, threads=threads)
+        layer = om.store.moe_layers[0]
+        act = om.model.model.layers[layer].mlp.act_fn
+        gen = torch.Generator().manual_seed(1)
+        items = [(e, torch.randn(t, om.store.layout.hidden, generator=gen)) for e, t in [(5, 1), (0, 3), (7, 2), (2, 1), (3, 4)]]
+        jobs = pool.submit_layer(layer, items, act)
+        assert [j.expert for j in jobs] == [5, 0, 7, 2, 3]
+        assert len({id(j.future) for j in jobs}) == threads  # one hand-off per worker
+        for job, (e, x) in zip(jobs, items):
+            one = pool.submit(layer, e, x, act).result()
+            got = job.result()
+            assert torch.equal(got.raw, one.raw) and got.tokens == x.shape[0]
+            assert job.d2h_bytes == job.h2d_bytes == x.numel() * 4
+        assert pool.submit_layer(layer, [], act) == []
+        pool.close()
+    finally:
+        om.close()
+
+
 def test_host_decode_moves_activations_not_experts(tiny_models):
     """Every miss on the host: no expert copy; per layer K x H x 4 bytes each way."""
     folder = tiny_models["qwen3_moe"]

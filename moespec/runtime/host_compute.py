@@ -61,16 +61,19 @@ class HostResult:
 
 @dataclass
 class HostJob:
-    """A submitted host computation: the expert, the bytes it moves both ways, its future."""
+    """A submitted host computation: the expert, the bytes it moves both ways, its future, and its
+    place in the future's batch (``index``; None: the future holds this job alone)."""
 
     expert: int
     d2h_bytes: int
     h2d_bytes: int
     future: Future
+    index: int | None = None
 
     def result(self) -> HostResult:
         """Wait for the host to finish (re-raises what the worker raised)."""
-        return self.future.result()
+        got = self.future.result()
+        return got if self.index is None else got[self.index]
 
 
 def host_forward(layout: ExpertLayout, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
@@ -148,6 +151,29 @@ class HostExpertPool:
             if self.device.type != "cpu":
                 y = y.to(self.device)  # [t, H] h2d: the only bytes that come back
             return HostResult(raw=y, start=t0, end=time.perf_counter(), tokens=x.shape[0])
+
+    def _work_batch(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostResult]:
+        return [self._work(layer, expert, x, act) for expert, x in items]
+
+    def submit_layer(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostJob]:
+        """Start computing the experts ``items`` = [(expert, x [t, H])] of decoder layer ``layer``.
+
+        They go to the workers in at most ``threads`` batches (round robin, each computed in order),
+        one queue hand-off per worker instead of one per expert: on 2 CPU cores a hand-off cost about
+        0.15-0.3 ms (waking the worker, the GIL going back and forth), as much as a decode expert.
+
+        Returns:
+            One HostJob per item, in ``items`` order; d2h/h2d bytes are t x H x itemsize each.
+        """
+        n = min(self.threads, len(items))
+        jobs: list[HostJob | None] = [None] * len(items)
+        for w in range(n):
+            batch = items[w::n]
+            future = self._pool.submit(self._work_batch, layer, batch, act)
+            for i, (expert, x) in enumerate(batch):
+                nbytes = x.numel() * x.element_size()
+                jobs[w + i * n] = HostJob(expert, nbytes, nbytes, future, i)
+        return jobs
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:
         """Start computing ``expert`` of decoder layer ``layer`` for its tokens ``x`` [t, H] (device).

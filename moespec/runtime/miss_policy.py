@@ -211,36 +211,41 @@ class MissPlanner:
         if mode == OnMiss.HOST:
             return MissPlan(frozenset(e for e, _ in misses), 0.0, 0.0)
         c = self.costs
+        costs: dict[int, tuple[float, float]] = {}  # t -> (device ms, host ms): one evaluation per t
+
+        def cost(t: int) -> tuple[float, float]:
+            got = costs.get(t)
+            if got is None:
+                got = costs[t] = (c.device_ms(t), c.host_ms(t))
+            return got
+
         dev = 0.0
         for _, t in resident:
-            dev += c.device_ms(t)
+            dev += cost(t)[0]
         workers = [0.0] * self.pool.threads
         host: set[int] = set()
         ages = ages_ms or {}
         # In-flight prefetches, oldest first: the link finishes each copy_ms after the later of the
-        # previous one's end and its own issue (-age ms from now).
+        # previous one's end and its own issue (-age ms from now). Then the misses, whose demand
+        # copies go before queued prefetches (CPU engine; CUDA: their own stream).
         landed_at = float("-inf")  # ms from now; negative: landed already
-        for e, t in sorted(in_flight, key=lambda et: -ages.get(et[0], 0.0)):
-            landed_at = max(landed_at, -ages.get(e, 0.0)) + c.copy_ms
-            fetch_done = max(landed_at, dev) + c.device_ms(t)
-            w = min(range(len(workers)), key=workers.__getitem__)
-            host_done = workers[w] + c.host_ms(t)
-            if host_done < fetch_done:
-                host.add(e)
-                workers[w] = host_done
-            else:
-                dev = fetch_done
-        # Demand copies of misses go before queued prefetches (CPU engine; CUDA: their own stream).
         link = queued * c.copy_ms
-        for e, t in misses:
-            fetch_done = max(link + c.copy_ms, dev) + c.device_ms(t)
-            w = min(range(len(workers)), key=workers.__getitem__)
-            host_done = workers[w] + c.host_ms(t)
+        order = [(e, t, True) for e, t in sorted(in_flight, key=lambda et: -ages.get(et[0], 0.0))]
+        for e, t, prefetched in order + [(e, t, False) for e, t in misses]:
+            dev_ms, host_ms = cost(t)
+            if prefetched:
+                landed_at = max(landed_at, -ages.get(e, 0.0)) + c.copy_ms
+                fetch_done = max(landed_at, dev) + dev_ms
+            else:
+                fetch_done = max(link + c.copy_ms, dev) + dev_ms
+            w = 0 if len(workers) == 1 else min(range(len(workers)), key=workers.__getitem__)
+            host_done = workers[w] + host_ms
             if host_done < fetch_done:
                 host.add(e)
                 workers[w] = host_done
             else:
-                link += c.copy_ms
+                if not prefetched:
+                    link += c.copy_ms
                 dev = fetch_done
         return MissPlan(frozenset(host), dev, max(workers))
 

@@ -333,14 +333,15 @@ class MoeLayerRunner:
             ages = {e: cache.copy_age_ms((layer, e)) for e, _ in in_flight}
             queued = cache.copies_in_flight() - len(in_flight)
         plan = self.host.plan(self.on_miss, landed, in_flight, misses, max(queued, 0), ages)
+        chosen = [e for e in experts if e in plan.host]
+        if not chosen:
+            return {}
         jobs = {}
-        for e in experts:
-            if e in plan.host:
-                job = self.host.pool.submit(layer, e, work.inputs(e), work.act)
-                stats.host_computed += 1
-                stats.d2h_bytes += job.d2h_bytes
-                stats.host_h2d_bytes += job.h2d_bytes
-                jobs[e] = job
+        for job in self.host.pool.submit_layer(layer, [(e, work.inputs(e)) for e in chosen], work.act):
+            stats.host_computed += 1
+            stats.d2h_bytes += job.d2h_bytes
+            stats.host_h2d_bytes += job.h2d_bytes
+            jobs[job.expert] = job
         return jobs
 
 
