@@ -232,35 +232,6 @@ def test_planner_in_flight_lands_by_its_age():
     assert plan.host == {6} and plan.device_ms == pytest.approx(0.6) and plan.host_ms == 1.0
 
 
-def test_pool_handoff_sends_decode_to_the_link():
-    cpu = _planner(copy_ms=0.99, host_1=0.083, host_16=0.21, dev_1=0.168, dev_16=0.266)
-    decode = [(e, 1) for e in range(4)]
-    assert cpu.plan(OnMiss.AUTO, [], [], decode, 0).host == {0, 1, 2, 3}
-    for _ in range(80):  # from 0: x1.32 per layer, then the average converges
-        cpu.costs.observe_handoff(6.0)  # a busy machine: the worker wakes 6 ms after the submit
-    assert cpu.costs.handoff_ms == pytest.approx(6.0, rel=0.01)
-    # Host: 6.08 ms and later; the fetch chain lands and computes by 1.16, 2.15, 3.14, 4.13 ms.
-    assert cpu.plan(OnMiss.AUTO, [], [], decode, 0).host == frozenset()
-    cpu.costs.observe_handoff(600.0)  # one outlier moves the average by the clamped step only
-    assert cpu.costs.handoff_ms == pytest.approx(6.0 * 4**0.2, rel=0.01)
-
-
-def test_layer_handoff_is_wake_up_plus_collection():
-    from moespec.runtime.host_compute import HostResult
-
-    p = _planner(copy_ms=1.0, host_1=0.1, host_16=0.2, dev_1=0.1, dev_16=0.2)
-    twin = _planner(copy_ms=1.0, host_1=0.1, host_16=0.2, dev_1=0.1, dev_16=0.2)
-    jobs = [HostResult(raw=None, start=10.002, end=10.003, tokens=1), HostResult(None, 10.003, 10.005, 1)]
-    # Submitted at 10.000, first start 10.002 (2 ms), the compute thread waiting from 10.004 had them at
-    # 10.006: 1 ms after the last end. Waiting only from 10.009 (busy on the device): no collection delay.
-    p.observe_layer(10.0, jobs, 10.004, 10.006)
-    twin.costs.observe_handoff(3.0)
-    assert p.costs.handoff_ms == pytest.approx(twin.costs.handoff_ms)
-    p.observe_layer(10.0, jobs, 10.009, 10.009)
-    twin.costs.observe_handoff(2.0)
-    assert p.costs.handoff_ms == pytest.approx(twin.costs.handoff_ms)
-
-
 def test_planner_on_measured_cpu_costs():
     # Costs measured on the default model (2-core CPU, 0.9 GB/s link): host and device are the same
     # processor, so decode computes every miss on the host (no copy), while a prefill layer of 16 chunks

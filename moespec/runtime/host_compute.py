@@ -69,7 +69,6 @@ class HostJob:
     h2d_bytes: int
     future: Future
     index: int | None = None
-    submitted: float = 0.0  # perf_counter seconds when it was handed to the pool
 
     def result(self) -> HostResult:
         """Wait for the host to finish (re-raises what the worker raised)."""
@@ -170,11 +169,10 @@ class HostExpertPool:
         jobs: list[HostJob | None] = [None] * len(items)
         for w in range(n):
             batch = items[w::n]
-            submitted = time.perf_counter()
             future = self._pool.submit(self._work_batch, layer, batch, act)
             for i, (expert, x) in enumerate(batch):
                 nbytes = x.numel() * x.element_size()
-                jobs[w + i * n] = HostJob(expert, nbytes, nbytes, future, i, submitted)
+                jobs[w + i * n] = HostJob(expert, nbytes, nbytes, future, i)
         return jobs
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:

@@ -12,8 +12,7 @@ Plan of one layer (:meth:`MissPlanner.plan`, a greedy list schedule in the layer
 the device first computes the resident experts (and waits for in-flight prefetches), the link
 already has ``queued`` copies ahead; each miss then goes where it would finish first:
   fetch: max(link free + copy_ms, device free) + device_ms(t)
-  host:  earliest free host worker + host_ms(t), the workers free after the pool's hand-off
-         (``handoff_ms``, a running average observed per layer: thread wake-ups, ms on a busy CPU)
+  host:  earliest free host worker + host_ms(t)
 and that resource's clock advances. ``host`` sends every miss to the host; ``fetch`` none. A
 prefetch still in flight is a miss whose copy is already on the link (issued ``age`` ms ago, so it lands
 in about copy_ms - age): it waits for it, or (auto) computes on the host when that finishes first (its
@@ -62,10 +61,6 @@ class Costs:
         shared: host and device are the same processor (CPU): what slows the host (other load)
             slows the device alike, so device_ms follows host_scale too (else every slow host job
             would bias the choice toward fetching).
-        handoff_ms: running average of a layer's pool hand-off: from submitting its host batch to a
-            worker starting it, plus from the last host job's end to the compute thread having it
-            (when it was already waiting). Host compute starts and ends that much later; on a busy
-            2-core machine a thread wake-up costs ms, more than a decode expert's compute.
     """
 
     copy_ms: float
@@ -75,19 +70,11 @@ class Costs:
     device_ms_16: float
     host_scale: float = 1.0
     shared: bool = False
-    handoff_ms: float = 0.0
 
     @staticmethod
     def _line(ms_1: float, ms_16: float, tokens: int) -> float:
         slope = max(ms_16 - ms_1, 0.0) / 15
         return max(ms_1 + slope * (tokens - 1), 0.0)
-
-    def observe_handoff(self, ms: float) -> None:
-        """Fold one layer's observed hand-off (ms) into its running average (geometric, each step
-        clamped like host_scale's, from a floor of 0.01 ms)."""
-        old = max(self.handoff_ms, 0.01)
-        step = min(max(max(ms, 0.01) / old, 1 / _STEP_CLAMP), _STEP_CLAMP)
-        self.handoff_ms = old * step**_AVERAGE
 
     def host_ms(self, tokens: int) -> float:
         """Predicted host ms for ``tokens`` tokens."""
@@ -241,7 +228,7 @@ class MissPlanner:
         dev = 0.0
         for _, t in resident:
             dev += cost(t)[0]
-        workers = [c.handoff_ms] * self.pool.threads  # a worker starts once the batch reached it
+        workers = [0.0] * self.pool.threads
         host: set[int] = set()
         ages = ages_ms or {}
         # In-flight prefetches, oldest first: the link finishes each copy_ms after the later of the
@@ -271,19 +258,6 @@ class MissPlanner:
     def observe(self, result: HostResult) -> None:
         """Update the running average of host ms from a finished job."""
         self.costs.observe_host(result.tokens, result.host_ms)
-
-    def observe_layer(self, submitted: float, results: list[HostResult], waiting_from: float, got: float) -> None:
-        """Update the hand-off average from one layer's host batch (perf_counter seconds).
-
-        Args:
-            submitted: when the batch was submitted; results: its finished jobs.
-            waiting_from: when the compute thread started waiting for them; got: when it had them all.
-        """
-        if not results:
-            return
-        first = min(r.start for r in results)
-        last = max(r.end for r in results)
-        self.costs.observe_handoff(((first - submitted) + max(got - max(last, waiting_from), 0.0)) * 1e3)
 
     def close(self) -> None:
         """Stop the host pool."""

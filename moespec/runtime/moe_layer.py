@@ -24,7 +24,6 @@ decode steps (T == 1); prefill is always exact.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -313,16 +312,11 @@ class MoeLayerRunner:
                     f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
                     "raise --cache-experts / --gpu-memory",
                 )
-        if not host_jobs:
-            return
-        waiting_from = time.perf_counter()
-        done = {e: job.result() for e, job in host_jobs.items()}
-        self.host.observe_layer(min(j.submitted for j in host_jobs.values()), list(done.values()), waiting_from,
-                                time.perf_counter())
-        for e, res in done.items():  # ascending ids; the sum's order is fixed by put's positions
-            rec.span(stats, "host_ms", Span(res.start, res.end))
-            self.host.observe(res)
-            work.put(e, res.raw)
+        for e, job in host_jobs.items():  # ascending ids; the sum's order is fixed by put's positions
+            done = job.result()
+            rec.span(stats, "host_ms", Span(done.start, done.end))
+            self.host.observe(done)
+            work.put(e, done.raw)
 
     def _start_host(self, layer: int, experts: list[int], resident: set[int], stats: LayerStats,
                     work: "_Work") -> dict:
