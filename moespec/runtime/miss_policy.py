@@ -24,8 +24,7 @@ per-step choice from a measured link profile.)
 Prefetch under ``auto``: a miss never waits on the link, so a prediction is worth copying if it
 lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many copies as one
 layer's running-average wall time carries, less the copies already queued (highest predicted
-weight first), and one when the link is idle and the copy lands before the host would finish the
-target layer's misses (a late copy costs no wait under ``auto``; one that lands later saves nothing).
+weight first), and at least one when the link is idle (a late copy costs no wait under ``auto``).
 Without the limit, a slow link queues copies that every later step drains.
 """
 
@@ -175,25 +174,20 @@ class MissPlanner:
             self.layer_ms = ms if self.layer_ms is None else self.layer_ms + _AVERAGE * (ms - self.layer_ms)
         self._last = None if new_step else now
 
-    def prefetch_budget(self, in_flight: int, predicted: int = 1) -> int:
-        """Auto mode: how many of the next layer's ``predicted`` experts to copy now.
+    def prefetch_budget(self, in_flight: int) -> int:
+        """Auto mode: how many of the next layer's predictions to copy now.
 
         As many as land within one layer's running-average wall time, less the copies already on the
-        link (unknown layer time, first layer: one); and, when the link is idle, the best prediction
-        even if its copy outlasts a layer, as long as it lands before the host would have computed
-        the target layer's ``predicted`` misses (layer ms + predicted x host ms for one token). Why:
-        under ``auto`` a late copy costs no wait (the target layer waits for it or computes the miss
-        on the host, whichever finishes first), so its expected saving, P(used) x the host ms it
-        may avoid, is positive while waiting for it can still win; a copy that lands later saves
-        nothing and only occupies the link (measured on CPU at 0.06 GB/s, 9.2 ms copies against
-        ~8 ms layers: 12.6 copies per token, about 1 of them used).
+        link (unknown layer time, first layer: one); and, when the link is idle, at least the best
+        prediction even if its copy outlasts a layer. Why: under ``auto`` a late copy costs no wait
+        (its miss is computed on the host, the copy lands for later), so the expected saving of an
+        idle-link copy, P(used) x the host ms it may avoid, is never negative, while a busy link
+        would push later copies behind it.
         """
+        idle = 1 if in_flight == 0 else 0
         if self.layer_ms is None:
             return max(1 - in_flight, 0)
-        copy_ms = max(self.costs.copy_ms, 1e-6)
-        in_time = copy_ms < self.layer_ms + predicted * self.costs.host_ms(1)
-        idle = 1 if in_flight == 0 and in_time else 0
-        return max(int(self.layer_ms / copy_ms) - in_flight, idle)
+        return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, idle)
 
     def plan(self, mode: OnMiss, resident: list[tuple[int, int]], in_flight: list[tuple[int, int]],
              misses: list[tuple[int, int]], queued: int, ages_ms: dict[int, float] | None = None) -> MissPlan:

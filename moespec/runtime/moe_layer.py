@@ -245,8 +245,8 @@ class MoeLayerRunner:
         if self.on_miss == OnMiss.AUTO and self.host is not None:
             # Auto: a miss never waits on the link, so copy only what the budget admits (highest-weight
             # predictions first); the rest is computed on the host there. Resident ones cost no copy.
+            budget = self.host.prefetch_budget(self.cache.copies_in_flight())
             wanted = list(dict.fromkeys(pred.host_ids))
-            budget = self.host.prefetch_budget(self.cache.copies_in_flight(), len(wanted))
             resident = self.cache.resident_experts(target)
         for e in wanted:
             if budget is not None and e not in resident:
