@@ -46,6 +46,18 @@ def test_one_shot_prints_footer(tiny_models):
     assert "TPOT" in r.output and "H2D" in r.output and "ms/tok · lru" in r.output  # footer ends with the policy
 
 
+def test_footer_names_host_experts_unless_fetch(tiny_models):
+    r = _chat(tiny_models["mixtral"], "-p", "hi", "--max-new-tokens", "4", "--predictor", "none",
+              "--cache-experts", "4", "--on-miss", "host")
+    assert r.exit_code == 0, r.output
+    footer = next(line for line in r.output.splitlines() if line.startswith("TPOT"))
+    # The tiny mixtral: top-2 x 3 MoE layers; `host` never fills the cache, so all 6 run on the host.
+    assert footer.endswith("H2D 0.00 MB · stall 0.00 ms · host 6.00 · lru"), footer
+    r = _chat(tiny_models["mixtral"], "-p", "hi", "--max-new-tokens", "4", "--predictor", "none",
+              "--cache-experts", "4")
+    assert " · host " not in r.output and "ms/tok · lru" in r.output  # --on-miss fetch: as before
+
+
 def test_repl_scripted_input(tiny_models):
     script = "hello\n/stats\n/reset\nagain\n/exit\n"
     r = _chat(tiny_models["qwen2_moe"], "--max-new-tokens", "3", "--cache-experts", "6", input=script)

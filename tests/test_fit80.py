@@ -114,6 +114,23 @@ def test_chat_footer_fits_one_line():
     assert small.footer() == "11.6 tok/s · TPOT 86.2 ms · recall@K n/a · H2D 0.00 MB/tok · stall 0.00 ms/tok"
 
 
+def test_chat_footer_with_host_experts_fits_80():
+    from moespec.runtime.stats import Summary
+
+    worst = Summary(prompt_tokens=10, new_tokens=10, ttft_ms=1e4, tpot_ms=9999.4, tokens_per_s=9999.4, recall=0.823,
+                    weighted_recall=0.9, hit_rate=0.5, h2d_mb_per_token=9999.4, stall_ms_per_token=9999.4,
+                    compute_ms_per_token=1.0, prefetch_wasted_per_token=0.0, skipped_per_token=0.0,
+                    host_experts_per_token=9999.4, host_ms_per_token=1.0)
+    for policy in ("lru", "lfu", "lfru", "static"):
+        line = worst.footer(policy=policy, host=True)
+        assert len(line) <= 80, line
+        assert line.endswith(f"host 9999 · {policy}") and "stall 9999 ms" in line and "TPOT 9999 ms" in line
+    auto = Summary(10, 10, 5.0, 86.24, 11.6, None, None, 0.02, 1.567, 0.78, 1.0, 0.0, 0.0, 117.29, 30.5)
+    assert auto.footer(policy="lfru", host=True) == \
+        "TPOT 86.2 ms · recall@K n/a · H2D 1.57 MB · stall 0.78 ms · host 117 · lfru"
+    assert "host" not in auto.footer(policy="lfru")  # --on-miss fetch: unchanged
+
+
 def test_stats_table_fits_80():
     from moespec.cli.chat_cmd import _print_stats
     from moespec.runtime.stats import LayerStats, StepStats

@@ -115,6 +115,30 @@ def test_host_path_equals_the_slow_reference(tiny_models):
         om.close()
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_layer_batches_equal_one_job_per_expert(tiny_models, threads):
+    """submit_layer (one hand-off per worker) == submit per expert, job for job, in the order given."""
+    om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(cache_experts=4))
+    try:
+        pool = HostExpertPool(om.store, om.device, threads=threads)
+        layer = om.store.moe_layers[0]
+        act = om.model.model.layers[layer].mlp.act_fn
+        gen = torch.Generator().manual_seed(1)
+        items = [(e, torch.randn(t, om.store.layout.hidden, generator=gen)) for e, t in [(5, 1), (0, 3), (7, 2), (2, 1), (3, 4)]]
+        jobs = pool.submit_layer(layer, items, act)
+        assert [j.expert for j in jobs] == [5, 0, 7, 2, 3]
+        assert len({id(j.future) for j in jobs}) == threads  # one hand-off per worker
+        for job, (e, x) in zip(jobs, items):
+            one = pool.submit(layer, e, x, act).result()
+            got = job.result()
+            assert torch.equal(got.raw, one.raw) and got.tokens == x.shape[0]
+            assert job.d2h_bytes == job.h2d_bytes == x.numel() * 4
+        assert pool.submit_layer(layer, [], act) == []
+        pool.close()
+    finally:
+        om.close()
+
+
 def test_host_decode_moves_activations_not_experts(tiny_models):
     """Every miss on the host: no expert copy; per layer K x H x 4 bytes each way."""
     folder = tiny_models["qwen3_moe"]
@@ -176,6 +200,47 @@ def test_running_average_and_prefetch_budget():
     assert p.prefetch_budget(0) == 1  # no layer time yet
     p.layer_ms = 10.0
     assert p.prefetch_budget(0) == 2 and p.prefetch_budget(1) == 1 and p.prefetch_budget(5) == 0
+
+
+def test_running_average_ignores_one_preempted_job():
+    p = _planner(copy_ms=4.0, host_1=1.0, host_16=2.5, dev_1=0.1, dev_16=0.2)
+    p.costs.observe_host(1, 60.0)  # one job the OS preempted: 60x its benchmark
+    assert p.costs.host_scale == pytest.approx(4**0.2)  # moves by the clamped step only (x1.32)
+    for _ in range(30):
+        p.costs.observe_host(1, 10.0)  # the host really is 10x slower: followed within 30 jobs
+    assert p.costs.host_ms(1) == pytest.approx(10.0, rel=0.01)
+
+
+def test_idle_link_admits_one_prefetch_that_outlasts_a_layer():
+    p = _planner(copy_ms=10.0, host_1=1.0, host_16=2.5, dev_1=0.1, dev_16=0.2)
+    p.layer_ms = 3.0  # a copy takes 3 layers: none would land in time
+    assert p.prefetch_budget(0) == 1 and p.prefetch_budget(1) == 0
+    assert p.prefetch_budget(2) == 0
+
+
+def test_planner_in_flight_lands_by_its_age():
+    slow = _planner(copy_ms=10.0, host_1=1.0, host_16=4.0, dev_1=0.1, dev_16=0.2)
+    # Issued 9.5 ms ago: lands in 0.5 ms, waiting (0.6 ms) beats the host (1 ms); just issued: host.
+    assert slow.plan(OnMiss.AUTO, [], [(5, 1)], [], 0, {5: 9.5}).host == frozenset()
+    assert slow.plan(OnMiss.AUTO, [], [(5, 1)], [], 0, {5: 0.0}).host == {5}
+    # Two in flight: the older (landed at 0.5 ms) is waited for, the newer is behind it (10.5 ms): host.
+    plan = slow.plan(OnMiss.AUTO, [], [(5, 1), (6, 1)], [], 0, {5: 9.5, 6: 9.0})
+    assert plan.host == {6} and plan.device_ms == pytest.approx(0.6) and plan.host_ms == 1.0
+
+
+def test_planner_on_measured_cpu_costs():
+    # Costs measured on the default model (2-core CPU, 0.9 GB/s link): host and device are the same
+    # processor, so decode computes every miss on the host (no copy), while a prefill layer of 16 chunks
+    # is split: the device computes what the link delivers while the host worker computes the rest.
+    cpu = _planner(copy_ms=0.99, host_1=0.083, host_16=0.21, dev_1=0.168, dev_16=0.266)
+    assert cpu.plan(OnMiss.AUTO, [], [], [(e, 1) for e in range(4)], 0).host == {0, 1, 2, 3}
+    for t in (16, 64):
+        plan = cpu.plan(OnMiss.AUTO, [], [], [(e, t) for e in range(16)], 0)
+        fetched = 16 - len(plan.host)
+        assert fetched >= 2
+        all_host = 16 * cpu.costs.host_ms(t)
+        all_fetch = 16 * cpu.costs.copy_ms + cpu.costs.device_ms(t)  # the link is the bottleneck
+        assert max(plan.device_ms, plan.host_ms) < min(all_host, all_fetch)
 
 
 def test_bad_host_threads_and_on_miss():

@@ -32,6 +32,8 @@ pinned.
 
 from __future__ import annotations
 
+import time
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -93,6 +95,7 @@ class ExpertCache:
         self._key: list[Key | None] = [None] * n
         self._pins = [0] * n
         self._ticket: list[Ticket | None] = [None] * n
+        self._issued_s: list[float] = [0.0] * n  # perf_counter when the slot's copy was issued (copy_age_ms)
         self._from_prefetch = [False] * n
         self._unused = [False] * n  # filled by a prefetch and not used since
         self._in_prefetch_area = [False] * n
@@ -205,6 +208,7 @@ class ExpertCache:
         self._where[key] = slot
         self._by_layer.setdefault(key[0], set()).add(key[1])
         self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
+        self._issued_s[slot] = time.perf_counter()
         self.copies += 1
         self._pins[slot] = 1
         self._from_prefetch[slot] = prefetch
@@ -347,6 +351,12 @@ class ExpertCache:
             return False
         ticket = self._ticket[slot]
         return ticket is None or self.engine.landed(ticket)
+
+    def copy_age_ms(self, key: Key) -> float:
+        """Milliseconds since the copy of resident ``key`` was issued (the miss planner's estimate of how
+        much of it is left); 0.0 when ``key`` is not resident."""
+        slot = self._where.get(key)
+        return 0.0 if slot is None else (time.perf_counter() - self._issued_s[slot]) * 1e3
 
     def copies_in_flight(self) -> int:
         """Copies issued into slots that have not landed yet (the link's backlog, for the miss planner)."""

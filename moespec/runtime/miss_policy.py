@@ -14,16 +14,18 @@ already has ``queued`` copies ahead; each miss then goes where it would finish f
   fetch: max(link free + copy_ms, device free) + device_ms(t)
   host:  earliest free host worker + host_ms(t)
 and that resource's clock advances. ``host`` sends every miss to the host; ``fetch`` none. A
-prefetch still in flight is a miss whose copy is already on the link: it waits for it, or (auto)
-computes on the host when that finishes first (its copy is not cancelled: it lands for later).
+prefetch still in flight is a miss whose copy is already on the link (issued ``age`` ms ago, so it lands
+in about copy_ms - age): it waits for it, or (auto) computes on the host when that finishes first (its
+copy is not cancelled: it lands for later).
 Decode (t = 1) on a slow link goes to the host; a prefill chunk (large t) where the device is
 faster than the host plus the copy goes to the device. (FreeToken and Fiddler make the same
 per-step choice from a measured link profile.)
 
-Prefetch under ``auto``: a miss never waits on the link, so a prediction is only worth copying
-if it lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many copies as
-one layer's running-average wall time carries, less the copies already queued (highest predicted
-weight first). Without it, a slow link queues copies that every later step drains.
+Prefetch under ``auto``: a miss never waits on the link, so a prediction is worth copying if it
+lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many copies as one
+layer's running-average wall time carries, less the copies already queued (highest predicted
+weight first), and at least one when the link is idle (a late copy costs no wait under ``auto``).
+Without the limit, a slow link queues copies that every later step drains.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from moespec.runtime.host_compute import HostExpertPool, HostResult, host_forwar
 
 _BENCH_TOKENS = (1, 16)
 _AVERAGE = 0.2  # weight of a new observation in the running average of host ms
+# One observation moves the running average by at most this factor ** _AVERAGE (x1.32): a job that the
+# OS preempted for a few ms (a 2-core machine shared with other work: 20-60x its benchmark) must not
+# send the next misses to the link, since the same preemption hits a fetch and the device alike.
+_STEP_CLAMP = 4.0
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Costs:
         copy_ms: one expert host->device.
         host_ms_1, host_ms_16: host compute for 1 and 16 tokens.
         device_ms_1, device_ms_16: device compute for 1 and 16 tokens.
-        host_scale: running average of observed / predicted host ms.
+        host_scale: running average of observed / predicted host ms (geometric, each step clamped).
         shared: host and device are the same processor (CPU): what slows the host (other load)
             slows the device alike, so device_ms follows host_scale too (else every slow host job
             would bias the choice toward fetching).
@@ -78,10 +84,16 @@ class Costs:
         return (self.host_scale if self.shared else 1.0) * self._line(self.device_ms_1, self.device_ms_16, tokens)
 
     def observe_host(self, tokens: int, ms: float) -> None:
-        """Fold one finished host job into the running average."""
+        """Fold one finished host job into the running average.
+
+        An exponential average of log(observed / predicted), each observation first clamped to
+        [1/4, 4] x the current average: robust to single outliers (preemption), still follows a host
+        that is really slower (x10 takes 9 jobs, less than one decode token of the default model).
+        """
         want = self._line(self.host_ms_1, self.host_ms_16, tokens)
         if want > 0 and ms > 0:
-            self.host_scale += _AVERAGE * (ms / want - self.host_scale)
+            step = min(max(ms / want / self.host_scale, 1 / _STEP_CLAMP), _STEP_CLAMP)
+            self.host_scale *= step**_AVERAGE
 
 
 def _median_ms(fn, reps: int = 3) -> float:
@@ -163,14 +175,22 @@ class MissPlanner:
         self._last = None if new_step else now
 
     def prefetch_budget(self, in_flight: int) -> int:
-        """Auto mode: how many prefetch copies can land before the next layer runs (one layer's time on
-        the link, less the copies already on it). Unknown layer time (first layer): one."""
+        """Auto mode: how many of the next layer's predictions to copy now.
+
+        As many as land within one layer's running-average wall time, less the copies already on the
+        link (unknown layer time, first layer: one); and, when the link is idle, at least the best
+        prediction even if its copy outlasts a layer. Why: under ``auto`` a late copy costs no wait
+        (its miss is computed on the host, the copy lands for later), so the expected saving of an
+        idle-link copy, P(used) x the host ms it may avoid, is never negative, while a busy link
+        would push later copies behind it.
+        """
+        idle = 1 if in_flight == 0 else 0
         if self.layer_ms is None:
-            return 1
-        return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, 0)
+            return max(1 - in_flight, 0)
+        return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, idle)
 
     def plan(self, mode: OnMiss, resident: list[tuple[int, int]], in_flight: list[tuple[int, int]],
-             misses: list[tuple[int, int]], queued: int) -> MissPlan:
+             misses: list[tuple[int, int]], queued: int, ages_ms: dict[int, float] | None = None) -> MissPlan:
         """Decide where the misses of one layer run.
 
         Args:
@@ -179,7 +199,9 @@ class MissPlanner:
             resident: (expert, t) resident and landed: computed on the device.
             in_flight: (expert, t) resident but whose copy may not have landed (a prefetch).
             misses: (expert, t) not resident, in the order they would be fetched.
-            queued: copies already on the link ahead of this layer's.
+            queued: copies already on the link ahead of this layer's misses.
+            ages_ms: expert -> ms since its in-flight copy was issued; its copy lands in about
+                copy_ms - age behind the older in-flight copies (missing: just issued).
 
         Returns:
             MissPlan; ``host`` never holds a resident expert.
@@ -189,22 +211,40 @@ class MissPlanner:
         if mode == OnMiss.HOST:
             return MissPlan(frozenset(e for e, _ in misses), 0.0, 0.0)
         c = self.costs
-        dev = sum(c.device_ms(t) for _, t in resident)
-        link = queued * c.copy_ms
+        costs: dict[int, tuple[float, float]] = {}  # t -> (device ms, host ms): one evaluation per t
+
+        def cost(t: int) -> tuple[float, float]:
+            got = costs.get(t)
+            if got is None:
+                got = costs[t] = (c.device_ms(t), c.host_ms(t))
+            return got
+
+        dev = 0.0
+        for _, t in resident:
+            dev += cost(t)[0]
         workers = [0.0] * self.pool.threads
         host: set[int] = set()
-        for (e, t), landed_by in [((e, t), None) for e, t in in_flight] + [((e, t), 0.0) for e, t in misses]:
-            if landed_by is None:  # an in-flight prefetch: its copy is somewhere on the link
-                fetch_done = max(link / 2 + c.copy_ms / 2, dev) + c.device_ms(t)
+        ages = ages_ms or {}
+        # In-flight prefetches, oldest first: the link finishes each copy_ms after the later of the
+        # previous one's end and its own issue (-age ms from now). Then the misses, whose demand
+        # copies go before queued prefetches (CPU engine; CUDA: their own stream).
+        landed_at = float("-inf")  # ms from now; negative: landed already
+        link = queued * c.copy_ms
+        order = [(e, t, True) for e, t in sorted(in_flight, key=lambda et: -ages.get(et[0], 0.0))]
+        for e, t, prefetched in order + [(e, t, False) for e, t in misses]:
+            dev_ms, host_ms = cost(t)
+            if prefetched:
+                landed_at = max(landed_at, -ages.get(e, 0.0)) + c.copy_ms
+                fetch_done = max(landed_at, dev) + dev_ms
             else:
-                fetch_done = max(link + c.copy_ms, dev) + c.device_ms(t)
-            w = min(range(len(workers)), key=workers.__getitem__)
-            host_done = workers[w] + c.host_ms(t)
+                fetch_done = max(link + c.copy_ms, dev) + dev_ms
+            w = 0 if len(workers) == 1 else min(range(len(workers)), key=workers.__getitem__)
+            host_done = workers[w] + host_ms
             if host_done < fetch_done:
                 host.add(e)
                 workers[w] = host_done
             else:
-                if landed_by is not None:
+                if not prefetched:
                     link += c.copy_ms
                 dev = fetch_done
         return MissPlan(frozenset(host), dev, max(workers))

@@ -241,12 +241,18 @@ class MoeLayerRunner:
         tstats = self.recorder.layer(target)
         pins = []
         wanted = sorted(set(pred.host_ids))
+        budget = None
         if self.on_miss == OnMiss.AUTO and self.host is not None:
-            # Auto: a miss never waits on the link, so prefetch only what can land before the target layer
-            # runs (the highest-weight predictions first); the rest is computed on the host there.
+            # Auto: a miss never waits on the link, so copy only what the budget admits (highest-weight
+            # predictions first); the rest is computed on the host there. Resident ones cost no copy.
             budget = self.host.prefetch_budget(self.cache.copies_in_flight())
-            wanted = list(dict.fromkeys(pred.host_ids))[:budget]
+            wanted = list(dict.fromkeys(pred.host_ids))
+            resident = self.cache.resident_experts(target)
         for e in wanted:
+            if budget is not None and e not in resident:
+                if budget == 0:
+                    continue
+                budget -= 1
             got = self.cache.prefetch((target, e))
             if got is None:
                 break  # no free slot: prefetch is best effort
@@ -319,21 +325,23 @@ class MoeLayerRunner:
             return {}
         cache = self.cache
         misses = [(e, work.tokens(e)) for e in experts if e not in resident]
-        landed, in_flight, queued = [], [], 0
+        landed, in_flight, queued, ages = [], [], 0, {}
         if self.on_miss == OnMiss.AUTO:
             for e in experts:
                 if e in resident:
                     (landed if cache.landed((layer, e)) else in_flight).append((e, work.tokens(e)))
+            ages = {e: cache.copy_age_ms((layer, e)) for e, _ in in_flight}
             queued = cache.copies_in_flight() - len(in_flight)
-        plan = self.host.plan(self.on_miss, landed, in_flight, misses, max(queued, 0))
+        plan = self.host.plan(self.on_miss, landed, in_flight, misses, max(queued, 0), ages)
+        chosen = [e for e in experts if e in plan.host]
+        if not chosen:
+            return {}
         jobs = {}
-        for e in experts:
-            if e in plan.host:
-                job = self.host.pool.submit(layer, e, work.inputs(e), work.act)
-                stats.host_computed += 1
-                stats.d2h_bytes += job.d2h_bytes
-                stats.host_h2d_bytes += job.h2d_bytes
-                jobs[e] = job
+        for job in self.host.pool.submit_layer(layer, [(e, work.inputs(e)) for e in chosen], work.act):
+            stats.host_computed += 1
+            stats.d2h_bytes += job.d2h_bytes
+            stats.host_h2d_bytes += job.h2d_bytes
+            jobs[job.expert] = job
         return jobs
 
 

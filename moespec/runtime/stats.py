@@ -220,14 +220,21 @@ class Summary:
     host_ms_per_token: float = 0.0
     reused_tokens: int = 0
 
-    def footer(self, policy: str | None = None) -> str:
+    def footer(self, policy: str | None = None, host: bool = False) -> str:
         """One line for the chat UI, at most 80 characters for any value below 10,000 (3 significant
         digits, e.g. ``11.6 tok/s · TPOT 86.2 ms · recall@K 0.82 · H2D 0.00 MB/tok · stall 0.00 ms/tok``).
 
         With ``policy`` (the cache policy's name: lru, lfu, lfru or static) the line ends with it and
         leaves out tok/s (TPOT says the same for decode), so it still fits 80 columns.
+        With ``host`` (``--on-miss host|auto``) it also names the experts computed on the host per
+        token; every value after TPOT is per token, so the units drop their "/tok" to fit, e.g.
+        ``TPOT 86.2 ms · recall@K n/a · H2D 1.57 MB · stall 0.78 ms · host 117 · lfru``.
         """
         rec = "n/a" if self.recall is None else f"{self.recall:.2f}"
+        if host:
+            line = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB · "
+                    f"stall {_short(self.stall_ms_per_token)} ms · host {_short(self.host_experts_per_token)}")
+            return line if policy is None else f"{line} · {policy}"
         rest = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB/tok · "
                 f"stall {_short(self.stall_ms_per_token)} ms/tok")
         if policy is None:

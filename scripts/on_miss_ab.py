@@ -1,0 +1,80 @@
+"""Token-interleaved A/B of `--on-miss` arms on one machine load (CPU, emulated link).
+
+`moespec profile` runs each arm for a whole prompt + N tokens before the next arm; on a shared,
+busy machine the load changes between those runs by more than the differences measured here. This
+script loads one OffloadedModel per arm (same checkpoint; only predictor and on-miss differ), each
+with its own Engine, KV cache, expert cache and link, prefills the same prompt in every arm, then
+decodes step by step in rotation (arm order rotates every step), so each arm's step i runs within
+a second of the others'. Exact mode: every arm decodes the same greedy tokens (checked). Reports
+per arm the median step ms and the median over steps of the ratio to the first arm and to the
+better of the ``--best`` arms (the one with the lower median); the last stdout line is one JSON
+object (with every step's ms).
+
+  PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/on_miss_ab.py --link-gbps 0.9 \\
+      --arms none+fetch,none+host,none+auto --best none+fetch,none+host --steps 60
+  PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/on_miss_ab.py --link-gbps 0.06 \\
+      --arms none+auto,router+auto --steps 60
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from moespec.config import OnMiss, Predictor, RuntimeConfig
+from moespec.default_model.build import default_model_dir
+from moespec.runtime.engine import Engine
+from moespec.runtime.offload import load_offloaded
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--link-gbps", type=float, required=True)
+ap.add_argument("--arms", default="none+fetch,none+host,none+auto")
+ap.add_argument("--best", default="", help="arms whose better (lower median) is the reference")
+ap.add_argument("--steps", type=int, default=60)
+ap.add_argument("--prompt-len", type=int, default=64)
+ap.add_argument("--cache-experts", type=int, default=8)
+ap.add_argument("--warmup", type=int, default=3)
+args = ap.parse_args()
+torch.set_num_threads(1)
+
+arms = [a.strip() for a in args.arms.split(",")]
+models, engines = {}, {}
+for arm in arms:
+    pred, _, where = arm.partition("+")
+    cfg = RuntimeConfig(cache_experts=args.cache_experts, link_gbps=args.link_gbps, predictor=Predictor(pred),
+                        on_miss=OnMiss(where or "fetch"))
+    models[arm] = load_offloaded(default_model_dir(), cfg)
+    engines[arm] = Engine(models[arm])
+prompt = [int(t) for t in torch.randint(100, 20000, (args.prompt_len,), generator=torch.Generator().manual_seed(0))]
+last = {arm: engines[arm].forward(prompt, "prefill") for arm in arms}
+ms = {arm: [] for arm in arms}
+for step in range(args.warmup + args.steps):
+    toks = {arm: int(torch.argmax(last[arm])) for arm in arms}
+    assert len(set(toks.values())) == 1, f"arms diverged at step {step}: {toks}"
+    order = arms[step % len(arms):] + arms[: step % len(arms)]
+    for arm in order:
+        t0 = time.perf_counter()
+        last[arm] = engines[arm].forward([toks[arm]], "decode")
+        if step >= args.warmup:
+            ms[arm].append((time.perf_counter() - t0) * 1e3)
+for om in models.values():
+    om.close()
+ref = arms[0]
+best = [a.strip() for a in args.best.split(",") if a.strip()]
+out = {"link_gbps": args.link_gbps, "steps": args.steps, "median_ms": {}, "ratio_to_first": {}, "ratio_to_best": {}}
+for arm in arms:
+    out["median_ms"][arm] = statistics.median(ms[arm])
+    out["ratio_to_first"][arm] = statistics.median(b / a for a, b in zip(ms[ref], ms[arm]))
+if best:
+    # The better fixed choice: the --best arm with the lower median; each arm's steps are divided by its
+    # step in the same rotation (a per-step minimum of two noisy arms would be biased low).
+    winner = min(best, key=lambda b: statistics.median(ms[b]))
+    out["best"] = winner
+for arm in arms:
+    if best:
+        out["ratio_to_best"][arm] = statistics.median(x / ms[winner][i] for i, x in enumerate(ms[arm]))
+    print(f"{arm:14s} median {out['median_ms'][arm]:8.1f} ms  x{ref} {out['ratio_to_first'][arm]:.3f}"
+          + (f"  x {winner} {out['ratio_to_best'][arm]:.3f}" if best else ""))
+out["step_ms"] = ms
+print(json.dumps(out))
