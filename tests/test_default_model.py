@@ -55,14 +55,15 @@ def built(pytestconfig, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dense_source():
-    """(tokenizer, dense float32 SmolLM2) read from the source GGUF once for the module."""
+def dense_source(built):
+    """(tokenizer, dense float32 SmolLM2) for the module: the weights read from the source GGUF
+    once, the tokenizer from the build (the build saved the GGUF's; reading it from the GGUF
+    again parses 49k vocabulary strings for ~10 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with source.temporary_gguf(Console(file=io.StringIO())) as gguf:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    return tokenizer, dense
+    return AutoTokenizer.from_pretrained(built), dense
 
 
 @pytest.fixture(scope="module")
