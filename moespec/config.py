@@ -29,6 +29,13 @@ class ExecuteMode(str, enum.Enum):
     GUARDED = "guarded"  # true router; fetch a miss only if its weight >= fetch_threshold
 
 
+class GuardRule(str, enum.Enum):
+    """Which misses `guarded` mode skips (runtime/guard.py, ``--guard-rule``); τ = ``--fetch-threshold``."""
+
+    THRESHOLD = "threshold"  # every miss whose renormalised weight is < τ
+    BUDGET = "budget"  # misses lightest first while the token's skipped weight stays <= τ
+
+
 class CachePolicy(str, enum.Enum):
     """Which expert the cache area evicts (runtime/cache_policy.py, ``--cache-policy``)."""
 
@@ -98,6 +105,9 @@ class RuntimeConfig:
         predictor: how the next layer's experts are predicted.
         execute: what runs on a wrong prediction.
         fetch_threshold: τ of the guarded mode, in renormalised gate weight (0 = exact, >1 never fetch).
+        guard_rule: how τ picks the misses guarded mode skips (runtime/guard.py).
+        guard_substitute: run the best resident expert by router logit in place of a skipped one
+            (False: drop it and renormalise over what runs).
         link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
         calibration_path: calibration file for the quasi predictor (None = look next to the model).
         estimator_path: estimator file for the estimator/hybrid predictors (None = found automatically).
@@ -120,6 +130,8 @@ class RuntimeConfig:
     predictor: Predictor = Predictor.ROUTER
     execute: ExecuteMode = ExecuteMode.EXACT
     fetch_threshold: float = 0.1
+    guard_rule: GuardRule = GuardRule.THRESHOLD
+    guard_substitute: bool = True
     link_gbps: float | None = None
     calibration_path: str | None = None
     estimator_path: str | None = None

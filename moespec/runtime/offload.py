@@ -287,6 +287,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     recorder = recorder or NullRecorder()
     _wire_recorder(recorder, engine)
     runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
+    runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
 
     refs = []
     for i in moe_layers:
