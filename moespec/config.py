@@ -50,6 +50,9 @@ class CachePolicy(str, enum.Enum):
         return self != CachePolicy.LRU
 
 
+# τ of guarded mode, chosen on the default model's bytes-vs-quality curve (README, "Guarded mode").
+DEFAULT_FETCH_THRESHOLD = 0.1
+
 # Measured on the default model (README, "Cache policies"): used when a calibration file is found.
 DEFAULT_CACHE_POLICY = CachePolicy.LFRU
 class OnMiss(str, enum.Enum):
@@ -129,7 +132,7 @@ class RuntimeConfig:
     cache_experts: int | None = None
     predictor: Predictor = Predictor.ROUTER
     execute: ExecuteMode = ExecuteMode.EXACT
-    fetch_threshold: float = 0.1
+    fetch_threshold: float = DEFAULT_FETCH_THRESHOLD
     guard_rule: GuardRule = GuardRule.THRESHOLD
     guard_substitute: bool = True
     link_gbps: float | None = None

@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold,
-                                Flag, GpuMemory, GroupSize, HostThreads, LinkGbps, Seed, Threads, err_console,
-                                handles_errors, register_command, set_threads)
+                                Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
+                                err_console, handles_errors, register_command, set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -19,6 +19,10 @@ show the main columns (wrapped into two tables where needed); --wide prints ever
 
 Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
 `oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
+
+With --execute guarded, each strategy runs in `exact` and once per --fetch-threshold value (a
+comma list), and a table shows per τ the H2D bytes, skipped gate mass, top-1 agreement, KL and
+perplexity against exact; --decode-inputs text scores the held-out text's own next tokens.
 
 Examples:
 
@@ -32,6 +36,9 @@ Examples:
   moespec profile --cache-experts 8 --link-gbps 0.09 --strategies none,router --on-miss fetch,host,auto
 
   moespec profile MODEL --strategies none,router+auto,router+host
+
+  moespec profile --cache-experts 120 --execute guarded --fetch-threshold 0,0.05,0.1,0.2 --strategies none
+  --decode-inputs text --gen 256 --plot guard.png
 
   moespec profile --compare before.json after.json
 """
@@ -72,7 +79,13 @@ def profile(
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
     warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
-    fetch_threshold: float = FetchThreshold,
+    fetch_threshold: Optional[str] = typer.Option(
+        None, "--fetch-threshold", show_default=False,
+        help="guarded mode: τ, or a comma list of τ values compared with exact (default 0.1)."),
+    guard_rule: str = GuardRuleOpt,
+    decode_inputs: str = typer.Option("greedy", "--decode-inputs",
+                                      help="What decode steps are fed: greedy (the exact run's tokens) or text "
+                                           "(the text's next tokens, for a held-out perplexity)."),
     cache_policy: Optional[str] = CachePolicyOpt,
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
@@ -128,7 +141,8 @@ def profile(
     report, timelines = _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute,
                              fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None, threads, expert_dtype, group_size, cache_policy)
+                             trace is not None, threads, expert_dtype, group_size, cache_policy, guard_rule,
+                             decode_inputs)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -150,25 +164,35 @@ def profile(
 
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
-         expert_dtype="auto", group_size=None, cache_policy=None):
+         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="threshold", decode_inputs="greedy"):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
-    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
+    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option, threshold_list
     from moespec.config import ExecuteMode, OnMiss, Predictor
-    from moespec.profile.strategy import parse_on_miss_list, parse_strategies
+    from moespec.errors import OptionError
+    from moespec.profile.strategy import guard_arms, parse_on_miss_list, parse_strategies
+    from moespec.profile.trace import DecodeInputs
 
     chosen = parse_strategies(strategies, parse_on_miss_list(on_miss))
     check_estimator_use(estimator, [s.predictor for s in chosen])
     prompt_lens = _ints(prompt_len, "--prompt-len")
     mode = enum_option(ExecuteMode, execute, "--execute")
+    forced = enum_option(DecodeInputs, decode_inputs, "--decode-inputs")
+    taus = threshold_list(fetch_threshold)
+    if mode == ExecuteMode.GUARDED:
+        chosen = guard_arms(chosen, taus)  # exact + one arm per τ, for each strategy
+    elif len(taus) > 1:
+        raise OptionError(f"--fetch-threshold {fetch_threshold} is a list, but only guarded arms use it",
+                          "add --execute guarded, or pass one value")
     predicting = any(s.predictor != Predictor.NONE for s in chosen)
     # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads)
+        fetch_threshold=taus[0], link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads,
+        guard_rule=guard_rule)
     set_threads(threads)
     import torch
 
@@ -202,13 +226,16 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             f"({expert_format(om.store.layout, om.dtype)}) "
             f"on {om.device}, cache policy {om.cache.policy.value}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
-                             warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
+                             warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline,
+                             decode_inputs=forced)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
         host_threads_used = om.runner.host.pool.threads if om.runner.host is not None else None
         options = {"strategies": [s.name for s in chosen], "host_threads": host_threads_used,
                    "prompt_len": list(prompt_lens), "gen": gen,
-                   "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
+                   "repeats": repeats, "warmup": warmup, "execute": mode.value,
+                   "fetch_threshold": taus[0] if len(taus) == 1 else list(taus), "guard_rule": cfg.guard_rule.value,
+                   "decode_inputs": forced.value,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
