@@ -140,6 +140,8 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
     from moespec.chat.session import ChatSession
 
     opened = open_model(model, cfg, None if quiet else err_console)
+    for note in opened.engine.om.notes:  # stderr, so even --json keeps it out of the answer
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
     if not quiet:
         om = opened.engine.om
         err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)

@@ -215,6 +215,8 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
                 made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
         predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
+        for note in om.notes:
+            err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
@@ -254,8 +256,9 @@ def _policy_hit_rates(om, path, calibration, prof) -> dict:
     from moespec.runtime.cache_policy import load_seed
 
     k = om.adapter.top_k()
-    try:
-        seed = load_seed(path, calibration, k)
+    refs = list(om.runner.predictor.refs.values())
+    try:  # only this model's frequencies (a stale file: no seeded replays)
+        seed = load_seed(path, calibration, k, om.config, [r.layer for r in refs], [r.block.gate.weight for r in refs])
     except CalibrationError:
         seed = None
     return {str(plen): policy_hit_rates(t.routings, om.cache.num_slots, k, seed) for plen, t in prof.traces.items()}

@@ -149,6 +149,8 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
     check_predictor_files(model, cfg)  # a missing calibration/estimator file: said before loading
     opened = open_model(model, cfg, err_console)
     err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
+    for note in opened.engine.om.notes:
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
     app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
     err_console.print(f"serving [bold]{app.state.backend.name}[/] on http://{host}:{port}/v1 "
                       f"(metrics: /metrics)", highlight=False)
