@@ -63,7 +63,7 @@ def test_guarded_run_on_a_shared_expert_family(tmp_path):
                                    "--decode-inputs", "text", "--out", str(tmp_path / "r.json")],
                              env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
-    assert "guarded (NAME@τ) vs exact" in res.output
+    assert "guarded NAME@τ vs exact NAME" in res.output
     assert max(len(line) for line in res.output.splitlines()) <= 80
     rep = json.loads((tmp_path / "r.json").read_text())
     assert validate(rep) == []

@@ -66,8 +66,8 @@ def guard_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
         Column("top-1", [f"{r['quality']['top1_agreement']:.3f}" for r in rows]),
         Column("ppl", [f"{r['quality']['perplexity']:.2f}" for r in rows]),
         Column("ppl\n×exact", [_f(v.get("perplexity_ratio"), ".4f") for v in vs]),
-        Column("KL", [f"{r['quality']['kl_mean']:.1e}" for r in rows]),
-        Column("skip\nmass/tok", [f"{r.get('skipped_mass_per_token', 0.0):.3f}" for r in rows]),
+        Column("KL", [f"{r['quality']['kl_mean']:.0e}" for r in rows]),
+        Column("skip\nmass", [f"{r.get('skipped_mass_per_token', 0.0):.3f}" for r in rows]),
         Column("per\nlayer", [f"{r.get('skipped_mass_per_layer', 0.0):.4f}" for r in rows]),
     ]
-    return fit_tables(f"prompt {plen} tokens: guarded (NAME@τ) vs exact (NAME)", key, cols, width)
+    return fit_tables(f"prompt {plen} tokens: guarded NAME@τ vs exact NAME", key, cols, width)

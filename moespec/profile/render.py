@@ -147,7 +147,8 @@ _NOTES = ("× none: TPOT / TPOT of none · to floor: TPOT / floor",
           "floor: Σ max(compute, copy of what was missed) · copy share: copy / on-demand time",
           "oracle replays the exact run's routing (an upper bound)",
           "<policy> replay: the exact trace through an empty cache of this size, on-demand",
-          "NAME@τ: guarded at --fetch-threshold τ · ppl: perplexity of the forced tokens")
+          "NAME@τ: guarded at --fetch-threshold τ · ppl: perplexity of the forced tokens",
+          "skip mass: share of a token's top-K gate mass skipped, summed over layers")
 
 
 def render_report(rep: dict, console: Console, wide: bool = False) -> None:

@@ -207,6 +207,7 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
     strategy = arm.name
     rec = _SpanKeepingRecorder(synchronize=log.synchronize)
     cold_start(om, engine, predictor, arm.execute or cfg.execute)
+    om.set_on_miss(arm.on_miss)
     if arm.threshold is not None:
         om.runner.fetch_threshold = arm.threshold
     om.set_recorder(rec)
