@@ -50,8 +50,9 @@ class CachePolicy(str, enum.Enum):
         return self != CachePolicy.LRU
 
 
-# τ of guarded mode, chosen on the default model's bytes-vs-quality curve (README, "Guarded mode").
-DEFAULT_FETCH_THRESHOLD = 0.1
+# Guarded mode's default rule and τ, chosen on the default model's bytes-vs-quality curve (README,
+# "Guarded mode"): budget 0.2 moved 25 % fewer bytes than exact at perplexity +2.0 %, top-1 95.3 %.
+DEFAULT_FETCH_THRESHOLD = 0.2
 
 # Measured on the default model (README, "Cache policies"): used when a calibration file is found.
 DEFAULT_CACHE_POLICY = CachePolicy.LFRU
@@ -133,7 +134,7 @@ class RuntimeConfig:
     predictor: Predictor = Predictor.ROUTER
     execute: ExecuteMode = ExecuteMode.EXACT
     fetch_threshold: float = DEFAULT_FETCH_THRESHOLD
-    guard_rule: GuardRule = GuardRule.THRESHOLD
+    guard_rule: GuardRule = GuardRule.BUDGET
     guard_substitute: bool = True
     link_gbps: float | None = None
     calibration_path: str | None = None

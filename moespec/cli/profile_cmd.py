@@ -17,12 +17,13 @@ TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate, recall
 quality against `exact`, and the on-demand / perfect-overlap bounds. At 80 columns the tables
 show the main columns (wrapped into two tables where needed); --wide prints every column.
 
-Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
+Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens
+(--decode-inputs text: on the text's own next tokens).
 `oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
 
 With --execute guarded, each strategy runs in `exact` and once per --fetch-threshold value (a
 comma list), and a table shows per τ the H2D bytes, skipped gate mass, top-1 agreement, KL and
-perplexity against exact; --decode-inputs text scores the held-out text's own next tokens.
+perplexity against exact.
 
 Examples:
 
@@ -81,7 +82,7 @@ def profile(
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: Optional[str] = typer.Option(
         None, "--fetch-threshold", show_default=False,
-        help="guarded mode: τ, or a comma list of τ values compared with exact (default 0.1)."),
+        help="guarded mode: τ, or a comma list of τ values compared with exact (default 0.2)."),
     guard_rule: str = GuardRuleOpt,
     decode_inputs: str = typer.Option("greedy", "--decode-inputs",
                                       help="What decode steps are fed: greedy (the exact run's tokens) or text "
@@ -164,7 +165,7 @@ def profile(
 
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
-         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="threshold", decode_inputs="greedy"):
+         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy"):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 

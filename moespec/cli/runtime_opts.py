@@ -41,7 +41,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
                          group_size: Optional[int] = None, cache_policy: Optional[str] = None,
                          on_miss: str = "fetch", host_threads: Optional[int] = None,
-                         guard_rule: str = "threshold") -> RuntimeConfig:
+                         guard_rule: str = "budget") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a

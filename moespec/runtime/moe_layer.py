@@ -68,7 +68,7 @@ class MoeLayerRunner:
         self.predictor = predictor
         self.execute = execute
         self.fetch_threshold = fetch_threshold
-        self.guard_rule = GuardRule.THRESHOLD
+        self.guard_rule = GuardRule.BUDGET  # load_offloaded sets both from the RuntimeConfig
         self.guard_substitute = True
         self.recorder = recorder
         self.expert_bytes = cache.store.expert_bytes
