@@ -12,12 +12,12 @@ from functools import partial
 
 import pytest
 import torch
-from tiny import reference_model
+from tiny import make_checkpoint, reference_model
 
 from typer.testing import CliRunner
 
 from moespec.cli.app import app
-from moespec.config import CachePolicy, Predictor, RuntimeConfig
+from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy, Predictor, RuntimeConfig
 from moespec.errors import CalibrationError
 from moespec.runtime.cache_policy import LFRU_DECAY, hot_set, make_rule, resolve_policy, seed_from_frequencies
 from moespec.runtime.cache_replay import replay
@@ -218,3 +218,33 @@ def test_landed_is_false_while_a_copy_can_still_write_its_slot():
     engine.wait(first)
     assert engine.landed(first)
     engine.close()
+
+
+def test_a_calibration_file_of_another_model_is_checked_like_quasi(tiny_models, tmp_path):
+    """The seeded policies read expert frequencies only from this model's file (config hash, MoE layers,
+    router fingerprint): asked for explicitly, a stale file is quasi's error; by default the cache falls
+    back to lru with a one-line note."""
+    from test_calibrate import _calibrate
+
+    from moespec.calibrate.file import save_calibration
+    from moespec.calibrate.locate import BESIDE_MODEL
+
+    calib = _calibrate(tiny_models["qwen3_moe"])
+    own = save_calibration(tmp_path / "own.safetensors", calib)
+    twin = make_checkpoint(tmp_path / "twin", "qwen3_moe", seed=7)  # same config, other router weights
+    save_calibration(twin / BESIDE_MODEL, calib)  # found automatically for the twin: stale
+    for policy in (CachePolicy.LFU, CachePolicy.LFRU, CachePolicy.STATIC):
+        with pytest.raises(CalibrationError, match="router weights differ") as err:
+            load_offloaded(twin, RuntimeConfig(predictor=Predictor.NONE, cache_policy=policy))
+        assert "moespec calibrate" in err.value.hint and "--cache-policy lru" in err.value.hint
+    om = load_offloaded(twin, RuntimeConfig(predictor=Predictor.NONE))  # default policy: falls back
+    try:
+        assert om.cache.policy == CachePolicy.LRU
+        assert len(om.notes) == 1 and "another model" in om.notes[0] and "\n" not in om.notes[0]
+    finally:
+        om.close()
+    om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(predictor=Predictor.NONE, calibration_path=str(own)))
+    try:  # its own file: the default seeded policy, no note
+        assert om.cache.policy == DEFAULT_CACHE_POLICY and om.notes == []
+    finally:
+        om.close()

@@ -14,7 +14,7 @@ import torch
 from syncshim import SyncCounter
 from tiny import make_checkpoint
 
-from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
+from moespec.config import ExecuteMode, GuardRule, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
 from moespec.runtime.engine import Engine
 from moespec.runtime.experts import group_by_expert, token_positions
@@ -79,16 +79,16 @@ def test_shim_counts_the_slow_paths(monkeypatch):
     guard_routing(r, {0, 3, 4, 5, 6}, 0.5)
     assert counter.n - before > 4
     before = counter.n
-    plan = plan_guard(guard_signals(r, 0.5).tolist(), 2, {0, 3, 4, 5, 6})  # the runner's one read
+    plan = plan_guard(guard_signals(r).tolist(), 2, {0, 3, 4, 5, 6}, 0.5)  # the runner's one read
     routing = substituted_routing(r, plan.run)
     assert counter.n == before + 1
     counter.active = False
     assert routing.ids.tolist() == [[0, 3]]
 
 
-def _fast_guard(r: Routing, resident: set[int], tau: float):
+def _fast_guard(r: Routing, resident: set[int], tau: float, rule=GuardRule.THRESHOLD, substitute=True):
     """The runner's guard: signals read once, host plan, device weights where something is substituted."""
-    plan = plan_guard(guard_signals(r, tau).tolist(), r.ids.shape[1], resident)
+    plan = plan_guard(guard_signals(r).tolist(), r.ids.shape[1], resident, tau, rule, substitute)
     return plan, (r if plan.run is None else substituted_routing(r, plan.run))
 
 
@@ -121,9 +121,11 @@ def test_fast_guard_equals_reference():
                     logits=logits)
         resident = {i for i in range(e) if torch.rand(1, generator=g).item() < 0.4}
         tau = [0.0, 0.2, 0.35, 0.5, 2.0][trial % 5]
-        want = guard_routing(r, resident, tau)
-        plan, got = _fast_guard(r, resident, tau)
-        assert got.ids.tolist() == want.routing.ids.tolist(), (trial, resident, tau)
+        rule = [GuardRule.THRESHOLD, GuardRule.BUDGET][trial // 5 % 2]
+        substitute = trial // 10 % 3 != 0
+        want = guard_routing(r, resident, tau, rule, substitute)
+        plan, got = _fast_guard(r, resident, tau, rule, substitute)
+        assert got.ids.tolist() == want.routing.ids.tolist(), (trial, resident, tau, rule, substitute)
         assert torch.equal(got.weights, want.routing.weights)
         assert (plan.skipped, plan.skipped_mass, plan.substituted) == (want.skipped, want.skipped_mass,
                                                                         want.substituted)

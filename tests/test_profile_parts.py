@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -48,6 +49,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_guarded_run_on_a_shared_expert_family(tmp_path):
+    """--execute guarded with a τ list: an exact arm plus one arm per τ, compared in a table of at most
+    80 columns and in the JSON (bytes saved, perplexity ratio), and plotted."""
     from typer.testing import CliRunner
 
     from moespec.cli.app import app
@@ -55,12 +58,57 @@ def test_guarded_run_on_a_shared_expert_family(tmp_path):
 
     model = make_checkpoint(tmp_path / "q2", "qwen2_moe", layers=2, experts=8, top_k=2)
     res = CliRunner().invoke(app, ["profile", str(model), "--device", "cpu", "--threads", "1", "--cache-experts", "4",
-                                   "--execute", "guarded", "--fetch-threshold", "0.6", "--strategies", "none,oracle",
+                                   "--execute", "guarded", "--fetch-threshold", "0,0.6,2", "--strategies", "none,oracle",
                                    "--prompt-len", "6", "--gen", "3", "--repeats", "1", "--warmup", "0",
-                                   "--out", str(tmp_path / "r.json")])
+                                   "--decode-inputs", "text", "--out", str(tmp_path / "r.json")],
+                             env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
+    assert "guarded NAME@τ vs exact NAME" in res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
     rep = json.loads((tmp_path / "r.json").read_text())
     assert validate(rep) == []
-    none = rep["results"][0]
-    assert none["execute"] == "guarded"
-    assert 0.0 <= none["quality"]["top1_agreement"] <= 1.0 and none["quality"]["kl_mean"] >= 0.0
+    by = {r["strategy"]: r for r in rep["results"]}
+    assert list(by) == ["none", "none@0", "none@0.6", "none@2", "oracle", "oracle@0", "oracle@0.6", "oracle@2"]
+    exact, zero, never = by["none"], by["none@0"], by["none@2"]
+    assert exact["execute"] == "exact" and exact["fetch_threshold"] is None and exact["vs_exact"] is None
+    assert zero["execute"] == "guarded" and zero["fetch_threshold"] == 0.0
+    # τ = 0 is exact: same bytes, same logits (top-1 1, KL 0, perplexity ratio 1)
+    assert zero["h2d_bytes_per_token"] == exact["h2d_bytes_per_token"] and zero["vs_exact"]["bytes_saved"] == 0
+    assert zero["quality"]["top1_agreement"] == 1.0 and zero["quality"]["kl_mean"] == pytest.approx(0, abs=1e-12)
+    assert zero["vs_exact"]["perplexity_ratio"] == pytest.approx(1.0, abs=1e-12)
+    # τ = 2 never fetches on demand in decode: no decode bytes, everything missed is skipped
+    assert never["h2d_bytes_per_token"] == 0 and never["skipped_per_token"] > 0
+    assert never["vs_exact"]["bytes_saved"] == 1.0
+    assert never["skipped_mass_per_layer"] == pytest.approx(never["skipped_mass_per_token"] / 2)
+    for r in rep["results"]:
+        assert r["quality"]["perplexity"] == pytest.approx(math.exp(r["quality"]["nll_mean"]))
+    pytest.importorskip("matplotlib")
+    from moespec.profile.plot import write_plot
+
+    write_plot(rep, tmp_path / "g.png")
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("cmd", ["chat", "serve"])
+def test_one_threshold_commands_refuse_a_list(cmd):
+    from typer.testing import CliRunner
+
+    from moespec.cli.app import app
+
+    res = CliRunner().invoke(app, [cmd, "--fetch-threshold", "0.1,0.2", "--prompt", "hi"] if cmd == "chat"
+                             else [cmd, "--fetch-threshold", "0.1,0.2"])
+    assert res.exit_code != 0
+    text = " ".join(res.output.split())
+    assert "--fetch-threshold '0.1,0.2' is a list" in text and "Traceback" not in res.output
+
+
+def test_threshold_list_parsing():
+    from moespec.cli.runtime_opts import one_threshold, threshold_list
+    from moespec.config import DEFAULT_FETCH_THRESHOLD
+    from moespec.errors import OptionError
+
+    assert threshold_list("0, 0.02,0.05,0.05") == (0.0, 0.02, 0.05)
+    assert threshold_list(None) == (DEFAULT_FETCH_THRESHOLD,) and one_threshold("0.3") == 0.3
+    for bad in ("", "x", "-0.1", "nan"):
+        with pytest.raises(OptionError, match="--fetch-threshold"):
+            threshold_list(bad)

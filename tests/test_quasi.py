@@ -120,3 +120,30 @@ def test_quasi_runs_in_approximate_modes(tiny_models, execute):
     finally:
         om.close()
     assert len(got) == 5 and summary.recall is not None
+
+
+def test_profile_measures_quasi_with_quasi_not_router(tiny_models, tmp_path):
+    """Issue 16: router and quasi reported the same recall on the default model. There |d_l| is ~1 %
+    of |r_l|, so LN(r + d) rarely changes the top-K (genuine); here the default vectors are made
+    large, so a profile whose quasi arm fell back to router, or took its recall from the router arm,
+    would report equal recall."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moespec.calibrate.file import load_calibration
+    from moespec.cli.app import app
+
+    folder = tiny_models["qwen2_moe"]
+    path, _ = _write_calibration(folder, tmp_path / "c.safetensors")
+    calib = load_calibration(path)
+    g = torch.Generator().manual_seed(0)
+    for name, v in calib.default_vectors.items():  # d_{l,e} far larger than r_l: quasi predicts otherwise
+        calib.default_vectors[name] = 50 * torch.randn(v.shape, generator=g)
+    big = save_calibration(tmp_path / "big.safetensors", calib)
+    res = CliRunner().invoke(app, ["profile", str(folder), "--device", "cpu", "--threads", "1", "--cache-experts", "8",
+                                   "--strategies", "router,quasi", "--calibration", str(big), "--prompt-len", "8",
+                                   "--gen", "6", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    by = {r["strategy"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert by["router"]["recall"] != by["quasi"]["recall"]

@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
-                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, HostThreads, LinkGbps,
-                                ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
+                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
+                                LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
                                 register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
@@ -64,7 +64,8 @@ def chat(
     cache_experts: Optional[int] = CacheExperts,
     predictor: str = PredictorOpt,
     execute: str = ExecuteOpt,
-    fetch_threshold: float = FetchThreshold,
+    fetch_threshold: Optional[str] = FetchThreshold,
+    guard_rule: str = GuardRuleOpt,
     cache_policy: Optional[str] = CachePolicyOpt,
     device: str = Device,
     dtype: str = Dtype,
@@ -95,7 +96,7 @@ def chat(
         device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
+        cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)
@@ -139,6 +140,8 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
     from moespec.chat.session import ChatSession
 
     opened = open_model(model, cfg, None if quiet else err_console)
+    for note in opened.engine.om.notes:  # stderr, so even --json keeps it out of the answer
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
     if not quiet:
         om = opened.engine.om
         err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)

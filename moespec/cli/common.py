@@ -113,7 +113,13 @@ CachePolicyOpt = typer.Option(
     None, "--cache-policy",
     help="Expert cache eviction: lru, lfu, lfru or static (lfu/lfru/static read the calibration file's expert "
          "frequencies). Default: lfru when the model has a calibration file, else lru.")
-FetchThreshold = typer.Option(0.1, "--fetch-threshold", help="guarded mode: fetch a miss whose weight >= this.")
+FetchThreshold = typer.Option(None, "--fetch-threshold", show_default=False,
+                              help="guarded mode: τ in renormalised gate weight (default 0.2); with "
+                                   "--guard-rule threshold a miss lighter than τ is skipped, with budget a "
+                                   "token skips misses lightest first up to τ of its weight.")
+GuardRuleOpt = typer.Option("budget", "--guard-rule",
+                            help="guarded mode: threshold (skip every miss lighter than τ) or budget (skip "
+                                 "misses lightest first while the token's skipped weight stays <= τ).")
 Seed = typer.Option(0, "--seed", help="Random seed.")
 OnMissOpt = typer.Option("fetch", "--on-miss",
                          help="Where a cache miss runs: fetch (copy it to the device), host (compute it on "

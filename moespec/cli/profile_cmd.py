@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold,
-                                Flag, GpuMemory, GroupSize, HostThreads, LinkGbps, Seed, Threads, err_console,
-                                handles_errors, register_command, set_threads)
+                                Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
+                                err_console, handles_errors, register_command, set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -17,8 +17,13 @@ TTFT, TPOT (mean ± std), stall, H2D bytes, link GB/s, overlap, hit rate, recall
 quality against `exact`, and the on-demand / perfect-overlap bounds. At 80 columns the tables
 show the main columns (wrapped into two tables where needed); --wide prints every column.
 
-Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens.
+Every strategy prefills the same prompt and is teacher-forced on the `exact` run's greedy tokens
+(--decode-inputs text: on the text's own next tokens).
 `oracle` replays the exact run's true routing: the best any predictor could do with the same memory.
+
+With --execute guarded, each strategy runs in `exact` and once per --fetch-threshold value (a
+comma list), and a table shows per τ the H2D bytes, skipped gate mass, top-1 agreement, KL and
+perplexity against exact.
 
 Examples:
 
@@ -32,6 +37,9 @@ Examples:
   moespec profile --cache-experts 8 --link-gbps 0.09 --strategies none,router --on-miss fetch,host,auto
 
   moespec profile MODEL --strategies none,router+auto,router+host
+
+  moespec profile --cache-experts 120 --execute guarded --fetch-threshold 0,0.05,0.1,0.2 --strategies none
+  --decode-inputs text --gen 256 --plot guard.png
 
   moespec profile --compare before.json after.json
 """
@@ -72,7 +80,13 @@ def profile(
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per strategy (mean ± std)."),
     warmup: int = typer.Option(2, "--warmup", help="Decode steps of the untimed warm-up run per strategy."),
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
-    fetch_threshold: float = FetchThreshold,
+    fetch_threshold: Optional[str] = typer.Option(
+        None, "--fetch-threshold", show_default=False,
+        help="guarded mode: τ, or a comma list of τ values compared with exact (default 0.2)."),
+    guard_rule: str = GuardRuleOpt,
+    decode_inputs: str = typer.Option("greedy", "--decode-inputs",
+                                      help="What decode steps are fed: greedy (the exact run's tokens) or text "
+                                           "(the text's next tokens, for a held-out perplexity)."),
     cache_policy: Optional[str] = CachePolicyOpt,
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
@@ -128,7 +142,8 @@ def profile(
     report, timelines = _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute,
                              fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
-                             trace is not None, threads, expert_dtype, group_size, cache_policy)
+                             trace is not None, threads, expert_dtype, group_size, cache_policy, guard_rule,
+                             decode_inputs)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -150,25 +165,35 @@ def profile(
 
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
-         expert_dtype="auto", group_size=None, cache_policy=None):
+         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy"):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
-    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option
+    from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option, threshold_list
     from moespec.config import ExecuteMode, OnMiss, Predictor
-    from moespec.profile.strategy import parse_on_miss_list, parse_strategies
+    from moespec.errors import OptionError
+    from moespec.profile.strategy import guard_arms, parse_on_miss_list, parse_strategies
+    from moespec.profile.trace import DecodeInputs
 
     chosen = parse_strategies(strategies, parse_on_miss_list(on_miss))
     check_estimator_use(estimator, [s.predictor for s in chosen])
     prompt_lens = _ints(prompt_len, "--prompt-len")
     mode = enum_option(ExecuteMode, execute, "--execute")
+    forced = enum_option(DecodeInputs, decode_inputs, "--decode-inputs")
+    taus = threshold_list(fetch_threshold)
+    if mode == ExecuteMode.GUARDED:
+        chosen = guard_arms(chosen, taus)  # exact + one arm per τ, for each strategy
+    elif len(taus) > 1:
+        raise OptionError(f"--fetch-threshold {fetch_threshold} is a list, but only guarded arms use it",
+                          "add --execute guarded, or pass one value")
     predicting = any(s.predictor != Predictor.NONE for s in chosen)
     # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
     cfg = build_runtime_config(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
-        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads)
+        fetch_threshold=taus[0], link_gbps=link_gbps, calibration=calibration, estimator=estimator,
+        expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads,
+        guard_rule=guard_rule)
     set_threads(threads)
     import torch
 
@@ -191,6 +216,8 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
                 made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
         predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
+        for note in om.notes:
+            err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
@@ -202,13 +229,16 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             f"({expert_format(om.store.layout, om.dtype)}) "
             f"on {om.device}, cache policy {om.cache.policy.value}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
-                             warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline)
+                             warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline,
+                             decode_inputs=forced)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
         host_threads_used = om.runner.host.pool.threads if om.runner.host is not None else None
         options = {"strategies": [s.name for s in chosen], "host_threads": host_threads_used,
                    "prompt_len": list(prompt_lens), "gen": gen,
-                   "repeats": repeats, "warmup": warmup, "execute": mode.value, "fetch_threshold": fetch_threshold,
+                   "repeats": repeats, "warmup": warmup, "execute": mode.value,
+                   "fetch_threshold": taus[0] if len(taus) == 1 else list(taus), "guard_rule": cfg.guard_rule.value,
+                   "decode_inputs": forced.value,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
@@ -227,8 +257,9 @@ def _policy_hit_rates(om, path, calibration, prof) -> dict:
     from moespec.runtime.cache_policy import load_seed
 
     k = om.adapter.top_k()
-    try:
-        seed = load_seed(path, calibration, k)
+    refs = list(om.runner.predictor.refs.values())
+    try:  # only this model's frequencies (a stale file: no seeded replays)
+        seed = load_seed(path, calibration, k, om.config, [r.layer for r in refs], [r.block.gate.weight for r in refs])
     except CalibrationError:
         seed = None
     return {str(plen): policy_hit_rates(t.routings, om.cache.num_slots, k, seed) for plen, t in prof.traces.items()}

@@ -6,7 +6,8 @@ import enum
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
-from moespec.config import CachePolicy, ExecuteMode, OnMiss, Predictor, RuntimeConfig, parse_bytes
+from moespec.config import (DEFAULT_FETCH_THRESHOLD, CachePolicy, ExecuteMode, GuardRule, OnMiss, Predictor,
+                            RuntimeConfig, parse_bytes)
 from moespec.errors import OptionError
 
 E = TypeVar("E", bound=enum.Enum)
@@ -35,11 +36,12 @@ def enum_option(kind: type[E], value: str, flag: str, choices: Optional[Sequence
 
 
 def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], cache_experts: Optional[int],
-                         predictor: Predictor, execute: ExecuteMode, fetch_threshold: float,
+                         predictor: Predictor, execute: ExecuteMode, fetch_threshold: float | str | None,
                          link_gbps: Optional[float], calibration: Optional[str] = None,
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
                          group_size: Optional[int] = None, cache_policy: Optional[str] = None,
-                         on_miss: str = "fetch", host_threads: Optional[int] = None) -> RuntimeConfig:
+                         on_miss: str = "fetch", host_threads: Optional[int] = None,
+                         guard_rule: str = "budget") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
@@ -47,6 +49,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
     file found automatically. ``on_miss`` is the ``--on-miss`` text (fetch, host, auto).
+    ``fetch_threshold``: one τ (a number or the ``--fetch-threshold`` text; None = the default).
 
     Raises:
         OptionError: both --gpu-memory and --cache-experts, or a malformed value.
@@ -57,11 +60,48 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         device=device, dtype=dtype,
         gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory is not None else None,
         cache_experts=cache_experts, predictor=predictor, execute=execute,
-        fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration_path=calibration,
+        fetch_threshold=one_threshold(fetch_threshold), guard_rule=enum_option(GuardRule, guard_rule, "--guard-rule"),
+        link_gbps=link_gbps, calibration_path=calibration,
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size,
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
         on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
     )
+
+
+def threshold_list(text: str | float | None) -> tuple[float, ...]:
+    """``--fetch-threshold`` as a tuple of τ values (``0,0.05,0.1``; None = the default; duplicates dropped).
+
+    Raises:
+        OptionError: empty, not a number, or negative (names the value and the flag).
+    """
+    if text is None:
+        return (DEFAULT_FETCH_THRESHOLD,)
+    if isinstance(text, (int, float)):
+        text = repr(float(text))
+    values = []
+    for part in (p.strip() for p in str(text).split(",")):
+        try:
+            tau = float(part)
+        except ValueError:
+            raise OptionError(f"--fetch-threshold {text!r} is not a number or a comma list of numbers",
+                              "e.g. --fetch-threshold 0.1 (profile: --fetch-threshold 0,0.05,0.1)") from None
+        if not tau >= 0:  # NaN too
+            raise OptionError(f"--fetch-threshold {part} must be >= 0", "e.g. --fetch-threshold 0.1")
+        values.append(tau)
+    return tuple(dict.fromkeys(values))
+
+
+def one_threshold(text: str | float | None) -> float:
+    """``--fetch-threshold`` where one τ is run (chat, serve).
+
+    Raises:
+        OptionError: a list (only `moespec profile` compares several), or a bad value.
+    """
+    values = threshold_list(text)
+    if len(values) > 1:
+        raise OptionError(f"--fetch-threshold {text!r} is a list; this command runs one value",
+                          "pass one value, e.g. --fetch-threshold 0.1 (`moespec profile` compares a list)")
+    return values[0]
 
 
 def check_estimator_use(estimator: Optional[str], predictors: list[Predictor]) -> None:

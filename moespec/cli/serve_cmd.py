@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
-                                ExpertDtype, FetchThreshold, GpuMemory, GroupSize, HostThreads, LinkGbps, ModelArg,
+                                ExpertDtype, FetchThreshold, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
+                                ModelArg,
                                 OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
                                 set_threads)
 from moespec.errors import MoespecError
@@ -76,7 +77,8 @@ def serve(
     cache_experts: Optional[int] = CacheExperts,
     predictor: str = PredictorOpt,
     execute: str = ExecuteOpt,
-    fetch_threshold: float = FetchThreshold,
+    fetch_threshold: Optional[str] = FetchThreshold,
+    guard_rule: str = GuardRuleOpt,
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
@@ -112,6 +114,7 @@ def serve(
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
+        guard_rule=guard_rule,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed)
@@ -146,6 +149,8 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
     check_predictor_files(model, cfg)  # a missing calibration/estimator file: said before loading
     opened = open_model(model, cfg, err_console)
     err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
+    for note in opened.engine.om.notes:
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
     app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
     err_console.print(f"serving [bold]{app.state.backend.name}[/] on http://{host}:{port}/v1 "
                       f"(metrics: /metrics)", highlight=False)

@@ -1,4 +1,5 @@
-"""PNG plot of a profile report: TPOT breakdown per strategy (stacked bars) and recall per layer.
+"""PNG plot of a profile report: TPOT breakdown per strategy (stacked bars) and recall per layer;
+with guarded arms, a last row of bytes vs quality per τ (top-1 agreement, perplexity × exact).
 
 matplotlib is an optional extra (``pip install 'moespec[plot]'``), imported only here and only
 when a plot is asked for.
@@ -31,8 +32,14 @@ def write_plot(rep: dict, path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    from moespec.profile.guard_view import guard_rows
+
     plens = list(dict.fromkeys(r["prompt_len"] for r in rep["results"]))
-    fig, axes = plt.subplots(len(plens), 2, figsize=(11, 3.8 * len(plens)), squeeze=False)
+    guard = guard_rows(rep, plens[0]) if plens else []
+    nrows = len(plens) + (1 if guard else 0)
+    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.8 * nrows), squeeze=False)
+    if guard:
+        _guard_curve(axes[-1], guard, plens[0])
     for row, plen in enumerate(plens):
         res = [r for r in rep["results"] if r["prompt_len"] == plen]
         ax = axes[row][0]
@@ -71,3 +78,23 @@ def write_plot(rep: dict, path: str | os.PathLike) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
+
+
+def _guard_curve(axes, rows: list[dict], plen: int) -> None:
+    """Bytes vs quality: each exact arm and its guarded arms as one line, τ written at each point."""
+    for base in dict.fromkeys(r["strategy"].split("@")[0] for r in rows):
+        pts = [r for r in rows if r["strategy"].split("@")[0] == base]
+        x = [r["h2d_bytes_per_token"] / 1e6 for r in pts]
+        ys = ([r["quality"]["top1_agreement"] for r in pts],
+              [(r.get("vs_exact") or {}).get("perplexity_ratio") or 1.0 for r in pts])
+        for ax, y in zip(axes, ys):
+            ax.plot(x, y, marker="o", label=base)
+            for xi, yi, r in zip(x, y, pts):
+                tau = r.get("fetch_threshold")
+                ax.annotate("exact" if tau is None else f"τ={tau:g}", (xi, yi), fontsize=7,
+                            textcoords="offset points", xytext=(3, 3))
+    for ax, name in zip(axes, ("top-1 agreement with exact", "perplexity / exact's")):
+        ax.set_xlabel("H2D MB per token")
+        ax.set_ylabel(name)
+        ax.set_title(f"guarded vs exact, prompt {plen}: bytes vs {name.split()[0]}")
+        ax.legend(fontsize=7)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moespec.profile.guard_view import guard_tables
 from moespec.tables import Column, fit_tables
 
 
@@ -145,7 +146,9 @@ def hit_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
 _NOTES = ("× none: TPOT / TPOT of none · to floor: TPOT / floor",
           "floor: Σ max(compute, copy of what was missed) · copy share: copy / on-demand time",
           "oracle replays the exact run's routing (an upper bound)",
-          "<policy> replay: the exact trace through an empty cache of this size, on-demand")
+          "<policy> replay: the exact trace through an empty cache of this size, on-demand",
+          "NAME@τ: guarded at --fetch-threshold τ · ppl: perplexity of the forced tokens",
+          "skip mass: share of a token's top-K gate mass skipped, summed over layers")
 
 
 def render_report(rep: dict, console: Console, wide: bool = False) -> None:
@@ -155,8 +158,8 @@ def render_report(rep: dict, console: Console, wide: bool = False) -> None:
         console.print(f"[dim]{escape(line)}[/]")
     for plen in dict.fromkeys(r["prompt_len"] for r in rep["results"]):
         for table in (*time_tables(rep, plen, width), *traffic_tables(rep, plen, width),
-                      *miss_tables(rep, plen, width), *recall_tables(rep, plen, width),
-                      *hit_tables(rep, plen, width)):
+                      *miss_tables(rep, plen, width), *guard_tables(rep, plen, width),
+                      *recall_tables(rep, plen, width), *hit_tables(rep, plen, width)):
             console.print(table)
     for line in _NOTES:
         console.print(f"[dim]{line}[/]")

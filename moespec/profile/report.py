@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -21,6 +22,7 @@ from moespec.config import OnMiss
 from moespec.errors import DataError, OutputError
 from moespec.fsutil import atomic_path
 from moespec.models.quant_layout import expert_format
+from moespec.profile.guard_view import add_vs_exact
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate
 from moespec.runtime.stats import LayerStats
@@ -62,7 +64,8 @@ def describe(om, model_id: str) -> dict:
     }
 
 
-def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_miss: str = "fetch") -> dict:
+def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_miss: str = "fetch",
+                     threshold: float | None = None, moe_layers: int = 1) -> dict:
     steps = [s for r in runs for s in r.steps]
     pre = [r for r in runs if getattr(r, "prefill", None) is not None]
     n = max(len(steps), 1)
@@ -79,12 +82,13 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
     copy_busy = sum(s.copy_busy_ms for s in steps)
     copy_bytes = sum(s.copy_bytes for s in steps)
     tpot = statistics.fmean(tpots) if tpots else 0.0
+    nll = sum(s.nll for s in steps) / n
     on_demand = statistics.fmean(s.bounds.on_demand_ms for s in steps) if steps else 0.0
     floor = statistics.fmean(s.bounds.floor_ms for s in steps) if steps else 0.0
     copy_ms = statistics.fmean(s.bounds.copy_ms for s in steps) if steps else 0.0
     return {
         "strategy": runs[0].strategy,
-        "upper_bound": runs[0].strategy == "oracle",
+        "upper_bound": runs[0].strategy.split("@")[0] == "oracle",
         "prompt_len": runs[0].prompt_len,
         "execute": execute,
         "ttft_ms": _mean_std([r.ttft_ms for r in runs]),
@@ -114,7 +118,14 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
                  "prefill_fetched": statistics.fmean(r.prefill.misses for r in pre) if pre else 0.0,
                  "prefill_cached": statistics.fmean(r.prefill.hits for r in pre) if pre else 0.0,
                  "prefill_host": statistics.fmean(r.prefill.host_computed for r in pre) if pre else 0.0},
-        "quality": {"top1_agreement": sum(s.top1 for s in steps) / n, "kl_mean": sum(s.kl for s in steps) / n},
+        "quality": {"top1_agreement": sum(s.top1 for s in steps) / n, "kl_mean": sum(s.kl for s in steps) / n,
+                    "nll_mean": nll, "perplexity": math.exp(nll)},
+        "fetch_threshold": threshold,
+        # share of a token's top-K gate mass not run (guarded, speculative): summed over layers / per layer
+        "skipped_mass_per_token": tot.skipped_mass / n,
+        "skipped_mass_per_layer": tot.skipped_mass / n / max(moe_layers, 1),
+        "substituted_per_token": tot.substituted / n,
+        "vs_exact": None,  # guarded arms: filled in once the exact arm is known
         "bounds": {"on_demand_ms": on_demand, "floor_ms": floor,
                    "compute_ms": statistics.fmean(s.bounds.compute_ms for s in steps) if steps else 0.0,
                    "copy_ms": copy_ms, "copy_share": _ratio(copy_ms, on_demand),
@@ -130,7 +141,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
             "layer_ms": layer_ms.get(layer, 0.0) / n, "recall": _ratio(st.recall_hits, st.recall_total),
             "weighted_recall": _ratio(st.weighted_hit, st.weighted_total), "skipped": st.skipped / n,
             "host_computed": st.host_computed / n, "host_ms": st.host_ms / n, "d2h_bytes": st.d2h_bytes / n,
-            "host_h2d_bytes": st.host_h2d_bytes / n,
+            "host_h2d_bytes": st.host_h2d_bytes / n, "skipped_mass": st.skipped_mass / n,
         } for layer, st in sorted(per_layer.items())],
     }
 
@@ -143,17 +154,22 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
         for strategy in cfg.strategies:
             runs = [r for r in prof.runs if r.prompt_len == plen and r.strategy == strategy.value]
             if runs:
-                results.append(_strategy_result(runs, cfg.execute.value, expert_bytes,
-                                                getattr(strategy, "on_miss", OnMiss.FETCH).value))
+                execute = getattr(strategy, "execute", None) or cfg.execute
+                results.append(_strategy_result(runs, execute.value, expert_bytes,
+                                                getattr(strategy, "on_miss", OnMiss.FETCH).value,
+                                                getattr(strategy, "threshold", None),
+                                                description["model"]["moe_layers"]))
     for res in results:
         base = next((r for r in results if r["strategy"] == "none" and r["prompt_len"] == res["prompt_len"]), None)
         if base is not None:
             res["tpot_ratio_vs_none"] = _ratio(res["tpot_ms"]["mean"], base["tpot_ms"]["mean"])
-        # The same predictor fetching its misses (router+host against router).
-        plain = res["strategy"].split("+")[0]
+        # The same predictor fetching its misses (router+host against router, router+host@0.1 against router@0.1).
+        name, at, tau = res["strategy"].partition("@")
+        plain = name.split("+")[0] + at + tau
         fetch = next((r for r in results if r["strategy"] == plain and r["prompt_len"] == res["prompt_len"]), None)
         if fetch is not None:
             res["tpot_ratio_vs_fetch"] = _ratio(res["tpot_ms"]["mean"], fetch["tpot_ms"]["mean"])
+    add_vs_exact(results)
     link = prof.link
     method = ("emulated link: worker-thread copies throttled to --link-gbps" if link.emulated_gbps else
               "pinned host-to-device copies" if link.pinned else "host-to-device copies")

@@ -20,7 +20,7 @@ from moespec.predict.oracle import OraclePredictor
 from moespec.profile.bounds import StepBounds, step_bounds
 from moespec.profile.probes import CopyLog, LayerTimer, installed
 from moespec.profile.strategy import Strategy
-from moespec.profile.trace import (TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
+from moespec.profile.trace import (DecodeInputs, TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
                                    token_sha256)
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
@@ -40,6 +40,7 @@ class ProfileConfig:
         data: text file for the prompt (None = shipped text).
         seed: seed for prompt ids when the model has no tokenizer.
         timeline: record a timeline of one decode step per strategy (``--trace``).
+        decode_inputs: what the decode steps are teacher-forced on (trace.py).
     """
 
     strategies: tuple[Strategy, ...]
@@ -51,6 +52,7 @@ class ProfileConfig:
     data: str | None = None
     seed: int = 0
     timeline: bool = False
+    decode_inputs: DecodeInputs = DecodeInputs.GREEDY
 
 
 @dataclass
@@ -65,6 +67,7 @@ class StepRecord:
         top1: the next-token prediction equals the exact run's.
         kl: KL(exact || strategy) of the final logits, nats.
         bounds: on-demand / floor times.
+        nll: -log p(target) of the step's logits, nats (the trace's target: perplexity = exp(mean nll)).
     """
 
     wall_ms: float
@@ -75,6 +78,7 @@ class StepRecord:
     top1: bool
     kl: float
     bounds: StepBounds
+    nll: float = 0.0
 
 
 @dataclass
@@ -179,6 +183,11 @@ def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
     return float((p_log.exp() * (p_log - q_log)).sum())
 
 
+def _nll(logits: torch.Tensor, target: int) -> float:
+    """-log softmax(logits)[target] in nats; logits [V]."""
+    return float(-torch.log_softmax(logits.double().cpu(), dim=-1)[target])
+
+
 def _timeline(strategy: str, prompt_len: int, step: int, wall_ms: float, ref, spans, kept, copies) -> Timeline:
     tl = Timeline(strategy, prompt_len, step, wall_ms)
     at = lambda t: Span(ref, t).ms()  # noqa: E731 - ms from the step's start
@@ -197,8 +206,10 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
          timeline_step: int | None) -> tuple[RunRecord, Timeline | None]:
     strategy = arm.name
     rec = _SpanKeepingRecorder(synchronize=log.synchronize)
-    cold_start(om, engine, predictor, cfg.execute)
+    cold_start(om, engine, predictor, arm.execute or cfg.execute)
     om.set_on_miss(arm.on_miss)
+    if arm.threshold is not None:
+        om.runner.fetch_threshold = arm.threshold
     om.set_recorder(rec)
     expert_bytes = om.store.expert_bytes
     engine.forward(trace.prompt, "prefill")
@@ -225,7 +236,7 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
             wall_ms=st.wall_ms, layers=st.layers, layer_ms=layer_ms,
             copy_busy_ms=(log.busy_seconds() - busy0) * 1e3, copy_bytes=log.bytes_moved - bytes0,
             top1=int(torch.argmax(logits)) == int(torch.argmax(ref_logits)), kl=_kl(ref_logits, logits),
-            bounds=bounds))
+            bounds=bounds, nll=_nll(logits, trace.targets[i])))
         if rec.keep:
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
@@ -250,14 +261,20 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
     refs = list(om.runner.predictor.refs.values())
     arms = cfg.strategies
     traces, runs, timelines = {}, [], []
-    saved = (om.runner.predictor, om.runner.execute, om.recorder, om.runner.on_miss)
+    saved = (om.runner.predictor, om.runner.execute, om.recorder, om.runner.on_miss, om.runner.fetch_threshold)
     with installed(om) as (timer, log):
         try:
             for plen in cfg.prompt_lens:
-                prompt = prompt_tokens(tokenizer, text, plen, int(om.config.get_text_config().vocab_size), cfg.seed)
+                vocab = int(om.config.get_text_config().vocab_size)
+                forced = None
+                if cfg.decode_inputs == DecodeInputs.TEXT:  # the text goes on after the prompt: gen + 1 more ids
+                    ids = prompt_tokens(tokenizer, text, plen + cfg.gen + 1, vocab, cfg.seed)
+                    prompt, forced = ids[:plen], ids[plen:]
+                else:
+                    prompt = prompt_tokens(tokenizer, text, plen, vocab, cfg.seed)
                 progress(f"prompt {plen}: exact run (records the trace)")
                 om.set_on_miss(OnMiss.FETCH)  # the trace is the plain exact run
-                trace = record_trace(om, engine, prompt, cfg.gen, source)
+                trace = record_trace(om, engine, prompt, cfg.gen, source, forced)
                 traces[plen] = trace
                 preds = dict(predictors)
                 if any(a.predictor == Predictor.ORACLE for a in arms):
@@ -281,4 +298,5 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
             om.runner.predictor, om.runner.execute = saved[0], saved[1]
             om.set_recorder(saved[2])
             om.set_on_miss(saved[3])
+            om.runner.fetch_threshold = saved[4]
     return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines)

@@ -26,7 +26,7 @@ _PER_LAYER = _obj({
     "layer": _INT, "hits": _NUM, "misses": _NUM, "prefetched": _NUM, "prefetch_used": _NUM,
     "prefetch_wasted": _NUM, "h2d_bytes": _NUM, "stall_ms": _NUM, "compute_ms": _NUM, "layer_ms": _NUM,
     "recall": _NUM_OR_NULL, "weighted_recall": _NUM_OR_NULL, "skipped": _NUM,
-    "host_computed": _NUM, "host_ms": _NUM, "d2h_bytes": _NUM, "host_h2d_bytes": _NUM,
+    "host_computed": _NUM, "host_ms": _NUM, "d2h_bytes": _NUM, "host_h2d_bytes": _NUM, "skipped_mass": _NUM,
 }, required=["layer", "hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted", "h2d_bytes", "stall_ms",
              "compute_ms", "layer_ms", "recall", "weighted_recall", "skipped"])
 
@@ -59,7 +59,14 @@ _RESULT = _obj({
     "host": _obj({"experts_per_token": _NUM, "ms_per_token": _NUM, "d2h_bytes_per_token": _NUM,
                   "h2d_bytes_per_token": _NUM, "prefill_fetched": _NUM, "prefill_cached": _NUM,
                   "prefill_host": _NUM}),
-    "quality": _obj({"top1_agreement": _NUM, "kl_mean": _NUM}),
+    "quality": _obj({"top1_agreement": _NUM, "kl_mean": _NUM, "nll_mean": _NUM, "perplexity": _NUM},
+                    required=["top1_agreement", "kl_mean"]),  # nll/perplexity came with guarded arms
+    "fetch_threshold": _NUM_OR_NULL,  # τ of a guarded arm (NAME@τ); None for the others
+    "skipped_mass_per_token": _NUM,
+    "skipped_mass_per_layer": _NUM,
+    "substituted_per_token": _NUM,
+    "vs_exact": {"type": ["object", "null"], "properties": {
+        "h2d_ratio": _NUM_OR_NULL, "bytes_saved": _NUM_OR_NULL, "perplexity_ratio": _NUM_OR_NULL}},
     "bounds": _obj({"on_demand_ms": _NUM, "floor_ms": _NUM, "compute_ms": _NUM, "copy_ms": _NUM,
                     "copy_share": _NUM_OR_NULL, "distance_ms": _NUM, "distance_ratio": _NUM_OR_NULL}),
     "totals": _obj({"repeats": _INT, "decode_tokens": _INT, "hits": _INT, "misses": _INT, "prefetched": _INT,
@@ -69,7 +76,10 @@ _RESULT = _obj({
 })
 # Reports written before --on-miss have none of these: optional, so they still load.
 _RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host",
-                                                                           "tpot_runs_ms")]
+                                                                           "tpot_runs_ms", "fetch_threshold",
+                                                                           "skipped_mass_per_token",
+                                                                           "skipped_mass_per_layer",
+                                                                           "substituted_per_token", "vs_exact")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

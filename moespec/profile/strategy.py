@@ -4,13 +4,17 @@ A strategy is written ``PREDICTOR`` or ``PREDICTOR+ONMISS`` (``router+host``, ``
 bare predictor runs once per ``--on-miss`` value (default ``fetch``), so
 ``--strategies none,router --on-miss fetch,host,auto`` compares six side by side. A fetch strategy
 keeps the plain predictor name (``none``, ``router``: today's reports read the same).
+
+With ``--execute guarded`` and ``--fetch-threshold`` values τ1,τ2,..., every strategy runs once in
+`exact` (its plain name: the reference) and once guarded per τ (named ``NAME@τ``, e.g. ``none@0.05``),
+all on the same trace, so bytes and quality of each τ are compared with exact's (guard_arms).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moespec.config import OnMiss, Predictor
+from moespec.config import ExecuteMode, OnMiss, Predictor
 from moespec.errors import OptionError
 
 
@@ -21,16 +25,26 @@ class Strategy:
     Attributes:
         predictor: what predicts the next layer's experts.
         on_miss: where a miss runs.
+        execute: the execution mode of this arm (None: the profile's ``--execute``).
+        threshold: τ of a guarded arm (None: the runtime's ``--fetch-threshold``).
     """
 
     predictor: Predictor
     on_miss: OnMiss = OnMiss.FETCH
+    execute: ExecuteMode | None = None
+    threshold: float | None = None
 
     @property
     def name(self) -> str:
-        """``router`` for fetch, ``router+host`` otherwise (the report's ``strategy``)."""
+        """``router`` for fetch, ``router+host`` otherwise (the report's ``strategy``); ``@τ`` for a guarded arm."""
         p = self.predictor.value
-        return p if self.on_miss == OnMiss.FETCH else f"{p}+{self.on_miss.value}"
+        base = p if self.on_miss == OnMiss.FETCH else f"{p}+{self.on_miss.value}"
+        return base if self.threshold is None else f"{base}@{self.threshold:g}"
+
+    @property
+    def base(self) -> str:
+        """The name without ``@τ``: the exact arm a guarded arm is compared with."""
+        return self.name.split("@")[0]
 
     @property
     def value(self) -> str:
@@ -76,4 +90,13 @@ def parse_strategies(text: str, on_miss: tuple[OnMiss, ...] = (OnMiss.FETCH,)) -
             s = Strategy(predictor, m)
             if s not in out:
                 out.append(s)
+    return tuple(out)
+
+
+def guard_arms(strategies: tuple[Strategy, ...], thresholds: tuple[float, ...]) -> tuple[Strategy, ...]:
+    """Each strategy as an `exact` arm (the reference) followed by one guarded arm per τ."""
+    out: list[Strategy] = []
+    for s in strategies:
+        out.append(Strategy(s.predictor, s.on_miss, ExecuteMode.EXACT))
+        out.extend(Strategy(s.predictor, s.on_miss, ExecuteMode.GUARDED, tau) for tau in thresholds)
     return tuple(out)

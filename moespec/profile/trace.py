@@ -4,16 +4,20 @@ Shapes: P prompt tokens, N decode steps, V vocabulary, K top-k.
 
 The prompt comes from ``--data`` (or moespec's held-out text, or a short built-in text), cut
 to P tokens. The `exact` run (true router, every missing expert fetched) prefills it and then
-decodes greedily; its N greedy tokens become the decode inputs of every strategy (teacher
-forcing), so each strategy sees identical inputs and its logits can be compared step by step
-with the exact run's. The exact run also records the routing of every MoE layer at every decode
-step: the `oracle` strategy replays it.
+decodes N steps; its inputs become the decode inputs of every strategy (teacher forcing), so
+each strategy sees identical inputs and its logits can be compared step by step with the exact
+run's. The inputs are the exact run's greedy tokens (``DecodeInputs.GREEDY``) or the text's own
+next N tokens (``DecodeInputs.TEXT``: held-out text, so perplexity means what it usually means).
+Step i's target (the token its logits are scored on, for perplexity) is the next input: the exact
+run's greedy choice, or the text's next token. The exact run also records the routing of every
+MoE layer at every decode step: the `oracle` strategy replays it.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +36,13 @@ BUILTIN_TEXT = (
 )
 
 
+class DecodeInputs(str, enum.Enum):
+    """What the decode steps are teacher-forced on (``profile --decode-inputs``)."""
+
+    GREEDY = "greedy"  # the exact run's greedy tokens
+    TEXT = "text"  # the text's tokens after the prompt
+
+
 @dataclass
 class TokenTrace:
     """Inputs and reference outputs shared by every strategy.
@@ -42,6 +53,7 @@ class TokenTrace:
         logits: [N, V] float32 logits of the exact run's decode steps (the quality reference).
         routings: per decode step, layer -> the routing the exact run ran with (ids/weights [1, K]).
         source: where the prompt came from, in words.
+        targets: N token ids the decode steps are scored on (step i's next input; see the module).
     """
 
     prompt: list[int]
@@ -49,6 +61,7 @@ class TokenTrace:
     logits: torch.Tensor
     routings: list[dict[int, Routing]]
     source: str
+    targets: list[int] = field(default_factory=list)
 
     def sha256(self) -> str:
         """Fingerprint of the token ids (prompt + decode inputs)."""
@@ -126,8 +139,13 @@ def cold_start(om, engine, predictor: NextLayerPredictor, execute: ExecuteMode) 
     om.cache.clear()
 
 
-def record_trace(om, engine, prompt: list[int], gen: int, source: str) -> TokenTrace:
-    """Run `exact` greedily over ``prompt`` for ``gen`` decode steps and record the trace."""
+def record_trace(om, engine, prompt: list[int], gen: int, source: str,
+                 forced: list[int] | None = None) -> TokenTrace:
+    """Run `exact` over ``prompt`` for ``gen`` decode steps and record the trace.
+
+    ``forced``: gen + 1 text token ids after the prompt: step i is fed ``forced[i]`` and scored on
+    ``forced[i + 1]``; None decodes greedily (each step scored on the exact run's next greedy token).
+    """
     from moespec.runtime.stats import NullRecorder
 
     refs = list(om.runner.predictor.refs.values())
@@ -138,8 +156,8 @@ def record_trace(om, engine, prompt: list[int], gen: int, source: str) -> TokenT
     decode, logits, routings = [], [], []
     try:
         last = engine.forward(prompt, "prefill")  # [V]
-        for _ in range(gen):
-            tok = int(torch.argmax(last))
+        for i in range(gen):
+            tok = int(torch.argmax(last)) if forced is None else forced[i]
             decode.append(tok)
             last = engine.forward([tok], "decode")
             logits.append(last.cpu())
@@ -148,5 +166,7 @@ def record_trace(om, engine, prompt: list[int], gen: int, source: str) -> TokenT
     finally:
         om.runner.record_routing = False
         om.set_recorder(saved_recorder)
-    return TokenTrace(prompt=list(prompt), decode=decode, logits=torch.stack(logits), routings=routings,
-                      source=source)
+    stacked = torch.stack(logits)  # [N, V]
+    targets = list(forced[1 : gen + 1]) if forced is not None else torch.argmax(stacked, dim=-1).tolist()
+    return TokenTrace(prompt=list(prompt), decode=decode, logits=stacked, routings=routings, source=source,
+                      targets=targets)

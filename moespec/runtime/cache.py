@@ -239,6 +239,12 @@ class ExpertCache:
         self._pf_free[victim] = None
         self._in_prefetch_area[slot] = False
 
+    def set_rule(self, rule: Callable[[], EvictionRule]) -> None:
+        """Replace the eviction rule's maker (the loader does it once the calibration file is checked)
+        and empty the cache, as ``clear`` does; no slot may be pinned."""
+        self._make_rule = rule
+        self.clear()
+
     def clear(self) -> None:
         """Empty every slot (a cold cache), after all copies finished; no slot may be pinned. The
         eviction rule starts again from its seed.

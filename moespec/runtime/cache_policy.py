@@ -156,15 +156,31 @@ def seed_from_frequencies(layers: list[int], frequencies: torch.Tensor, top_k: i
     return {(layer, e): float(p[m, e]) for m, layer in enumerate(layers) for e in range(p.shape[1])}
 
 
-def load_seed(model_path: str | Path, explicit: str | None, top_k: int) -> dict[Key, float]:
+def load_seed(model_path: str | Path, explicit: str | None, top_k: int, config=None, layers: list[int] | None = None,
+              routers: list[torch.Tensor] | None = None) -> dict[Key, float]:
     """The seed of a frequency policy from the model's calibration file.
 
-    Raises:
-        CalibrationError: no calibration file (names `moespec calibrate`) or an unreadable one.
-    """
-    from moespec.calibrate.file import load_calibration
+    Args:
+        config, layers, routers: the running model's config, MoE layer indices and router weights [E, H];
+            when given, the file must have been made for this model, checked as the quasi predictor checks
+            it (config hash, MoE layers, router fingerprint; calibrate.file.check_matches).
 
-    calib = load_calibration(find_policy_calibration(model_path, explicit))
+    Raises:
+        CalibrationError: no calibration file (names `moespec calibrate`), an unreadable one, or one made
+            for another model (names `moespec calibrate MODEL` and ``--cache-policy lru``).
+    """
+    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
+    from moespec.calibrate.locate import model_key
+    from moespec.errors import CalibrationError
+
+    path = find_policy_calibration(model_path, explicit)
+    calib = load_calibration(path)
+    if config is not None:
+        fingerprint = router_fingerprint(routers) if routers else None
+        try:
+            check_matches(calib, path, config, list(layers or []), fingerprint, model_key(model_path))
+        except CalibrationError as exc:
+            raise CalibrationError(exc.message, f"{exc.hint}, or use --cache-policy lru") from None
     return seed_from_frequencies(list(calib.layers), calib.frequencies, top_k)
 
 

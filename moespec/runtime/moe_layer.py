@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moespec.config import ExecuteMode, OnMiss
+from moespec.config import ExecuteMode, GuardRule, OnMiss
 from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
 from moespec.runtime.experts import TopkSum, gated, group_by_expert, sum_one_token
-from moespec.runtime.guard import guard_signals, plan_guard, substituted_routing
+from moespec.runtime.guard import guard_signals, plan_guard, signals_length, substituted_routing
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
 
@@ -56,7 +56,8 @@ class MoeLayerRunner:
         cache: the device expert cache.
         predictor: next-layer predictor (NoPredictor for `none`).
         execute: execution mode on wrong predictions.
-        fetch_threshold: τ of the guarded mode.
+        fetch_threshold: τ of the guarded mode; ``guard_rule`` and ``guard_substitute`` (attributes,
+            set after construction) say how it is applied (guard.py).
         recorder: stats recorder (NullRecorder when nobody listens).
     """
 
@@ -67,6 +68,8 @@ class MoeLayerRunner:
         self.predictor = predictor
         self.execute = execute
         self.fetch_threshold = fetch_threshold
+        self.guard_rule = GuardRule.BUDGET  # load_offloaded sets both from the RuntimeConfig
+        self.guard_substitute = True
         self.recorder = recorder
         self.expert_bytes = cache.store.expert_bytes
         self.residual: dict[int, torch.Tensor] = {}  # layer -> r_l [.., H], set by a norm pre-hook
@@ -163,13 +166,13 @@ class MoeLayerRunner:
         dtype = torch.float64 if guarded else routing.ids.dtype
         parts = []
         if host_ids is None:
-            parts.append(guard_signals(routing, self.fetch_threshold) if guarded else routing.ids.reshape(-1))
+            parts.append(guard_signals(routing) if guarded else routing.ids.reshape(-1))
         if nxt is not None:
             parts.append(nxt.ids.reshape(-1).to(dtype))
         got = torch.cat(parts).tolist() if parts else []
         if host_ids is None:
             k = routing.ids.shape[-1]
-            n = 3 * k + routing.logits.shape[-1] if guarded else k
+            n = signals_length(k, routing.logits.shape[-1]) if guarded else k
             head, got = got[:n], [int(v) for v in got[n:]]
             host_ids = [int(v) for v in head[:k]]
             if guarded:
@@ -209,7 +212,8 @@ class MoeLayerRunner:
     def _guard(self, layer: int, true: Routing, signals: list[float], ids: list[int],
                stats: LayerStats) -> tuple[Routing, list[int]]:
         """Guarded mode: the routing that runs and its host ids, decided from the signals already read."""
-        plan = plan_guard(signals, len(ids), self.cache.resident_experts(layer))
+        plan = plan_guard(signals, len(ids), self.cache.resident_experts(layer), self.fetch_threshold,
+                          self.guard_rule, self.guard_substitute)
         stats.skipped += plan.skipped
         stats.skipped_mass += plan.skipped_mass
         stats.substituted += plan.substituted
@@ -367,7 +371,8 @@ def _record_recall(rec: StatsRecorder, stats: LayerStats, predicted: Routing, tr
 
 
 def _record_skipped(rec: StatsRecorder, stats: LayerStats, ran: Routing, true: Routing) -> None:
-    """True top-K experts that did not run, and their true gate mass (device counters)."""
+    """True top-K experts that did not run, and their share of the true top-K gate mass (device counters)."""
     ran_hit = (true.ids.unsqueeze(-1) == ran.ids.unsqueeze(-2)).any(dim=-1)  # [T, K]
     rec.count(stats, "skipped", (~ran_hit).sum())
-    rec.count(stats, "skipped_mass", (true.weights.float() * ~ran_hit).sum())
+    w = true.weights.float()  # [T, K]
+    rec.count(stats, "skipped_mass", (w / w.sum(dim=-1, keepdim=True) * ~ran_hit).sum())  # renormalised share

@@ -8,7 +8,7 @@ shared experts, lm_head) onto the device. Peak host memory is about the checkpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -143,6 +143,7 @@ class OffloadedModel:
         adapter, store, cache, runner: the runtime parts.
         device, dtype: where and how dense parts and slots live.
         path: the checkpoint folder.
+        notes: one-line notes for the user about how it was loaded (e.g. a cache policy fallback).
     """
 
     model: nn.Module
@@ -155,6 +156,7 @@ class OffloadedModel:
     dtype: torch.dtype
     path: Path
     runtime_config: RuntimeConfig
+    notes: list[str] = field(default_factory=list)
 
     @property
     def recorder(self) -> StatsRecorder:
@@ -239,19 +241,36 @@ def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], c
     return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
 
 
-def _rule_factory(cfg: RuntimeConfig, path: Path, top_k: int, slots: int):
-    """What makes the cache's eviction rule (``--cache-policy``; seeded ones read the calibration file).
+def _rule_factory(cfg: RuntimeConfig, path: Path, top_k: int, slots: int, config, refs: list[LayerRef]):
+    """What makes the cache's eviction rule (``--cache-policy``; seeded ones read the calibration file),
+    and a note for the user or None. Called once the routers are loaded: a seeded policy's file must be
+    this model's (as the quasi predictor's must). A stale file is an error when the policy was asked
+    for; for the default policy the cache falls back to LRU with a one-line note.
 
     Raises:
-        CalibrationError: a seeded policy asked for without a calibration file.
+        CalibrationError: a seeded policy asked for without a calibration file, or with another model's.
     """
     from functools import partial
 
+    from moespec.calibrate.locate import model_key
+    from moespec.config import CachePolicy
+    from moespec.errors import CalibrationError
     from moespec.runtime.cache_policy import load_seed, make_rule, resolve_policy
 
     policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
-    seed = load_seed(path, cfg.calibration_path, top_k) if policy.needs_calibration else None
-    return partial(make_rule, policy, seed, slots, top_k)
+    seed, note = None, None
+    if policy.needs_calibration:
+        try:
+            seed = load_seed(path, cfg.calibration_path, top_k, config, [r.layer for r in refs],
+                             [r.block.gate.weight for r in refs])
+        except CalibrationError:
+            if cfg.cache_policy is not None:
+                raise
+            key = model_key(path)
+            note = (f"the calibration file of {key} was made for another model: cache policy lru, not "
+                    f"{policy.value} (run `moespec calibrate {key}`)")
+            policy = CachePolicy.LRU
+    return partial(make_rule, policy, seed, slots, top_k), note
 
 
 def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder | None = None) -> OffloadedModel:
@@ -279,14 +298,17 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
-    rule = _rule_factory(cfg, path, adapter.top_k(), slots)  # a missing calibration file fails here
+    from moespec.runtime.cache_policy import resolve_policy
+
+    resolve_policy(cfg.cache_policy, path, cfg.calibration_path)  # a missing calibration file fails here, early
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = make_transfer_engine(device, slots, cfg.link_gbps)
-    cache = ExpertCache(store, slots, device, engine, rule, prefetch_slots=adapter.top_k())
+    cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
     recorder = recorder or NullRecorder()
     _wire_recorder(recorder, engine)
     runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
+    runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
 
     refs = []
     for i in moe_layers:
@@ -302,8 +324,11 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
     if saved is not None and not from_cache:
         saved.save(store)
+    rule, note = _rule_factory(cfg, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
+    cache.set_rule(rule)
     runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-    om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg)
+    om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
+                        [note] if note else [])
     try:
         om.set_on_miss(cfg.on_miss)
     except BaseException:

@@ -26,7 +26,8 @@ class LayerStats:
     ran; prefetch_cancelled counts mispredicted copies dropped before they started (no bytes).
     recall_hits/recall_total: |predicted ∩ true top-K| and K summed over tokens; weighted_* the
     true gate mass covered. skipped: true top-K experts that did not run (speculative, guarded);
-    skipped_mass: their true gate weight. host_computed: misses computed on the host from their store
+    skipped_mass: their share of the token's true top-K gate mass (renormalised weight, summed over
+    tokens). host_computed: misses computed on the host from their store
     row (``--on-miss host|auto``; counted in neither hits nor misses); host_ms: their host time;
     d2h_bytes / host_h2d_bytes: the activations they sent to the host and the outputs that came back. Counters computed on the device wait in ``pending`` (as
     times wait in ``spans``) until end_step reads them all in one transfer.
