@@ -27,7 +27,7 @@ from moespec.errors import OutputError
 from moespec.models.quant_layout import QuantLayout
 from moespec.runtime.store import ExpertStore
 
-FORMAT = 1  # bump when the row layout or the quantisation arithmetic changes
+FORMAT = 2  # bump when the row layout or the arithmetic changes (2: int4 packs halves)
 META_KEY = "moespec_quant_store"
 TENSOR = "experts"
 
