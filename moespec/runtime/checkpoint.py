@@ -55,7 +55,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 # Bytes of one shard mapping read before the shard is reopened: small against any model, large
 # against a tensor, so reopening (a header parse) costs nothing next to the reading.
-WINDOW_BYTES = 64 * 2**20
+WINDOW_BYTES = 16 * 2**20
 
 
 class MappingWindow:
