@@ -76,3 +76,22 @@ def test_loaded_model_keeps_no_page_of_the_checkpoint_mapped(tiny_models, tmp_pa
             assert str(f.resolve()) not in open("/proc/self/maps").read()
     finally:
         om.close()
+
+
+def test_second_start_keeps_no_page_of_the_cached_store_mapped(tiny_models, tmp_path, monkeypatch):
+    """The cached quantised store is read through the same window: it leaves nothing mapped."""
+    from moespec.runtime.quant_store_cache import cache_path
+
+    monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
+    cfg = RuntimeConfig(cache_experts=4, predictor="none", expert_dtype="int4")
+    load_offloaded(tiny_models["qwen3_moe"], cfg).close()  # quantises and writes the store
+    import moespec.models.quant_layout as quant_layout
+
+    monkeypatch.setattr(quant_layout, "quantize", None)  # the second start must read the store
+    om = load_offloaded(tiny_models["qwen3_moe"], cfg)
+    try:
+        saved = cache_path(Path(tiny_models["qwen3_moe"]), om.store.layout)
+        assert saved.is_file()
+        assert str(saved.resolve()) not in open("/proc/self/maps").read()
+    finally:
+        om.close()
