@@ -105,7 +105,8 @@ def main() -> int:
     probe = []
     link = args.link_gbps
     if link is None:
-        c_ms = _round({"float32_unthrottled": engines["float32_unthrottled"]}, prompt, decode[:8])["float32_unthrottled"]
+        bare = {"float32_unthrottled": engines["float32_unthrottled"]}
+        c_ms = _round(bare, prompt, decode[:8])["float32_unthrottled"]
         for attempt in range(args.settle):  # the share moves with the machine's load: check it, re-aim
             link = bytes_per_token / (c_ms * args.copy_share / (1 - args.copy_share) * 1e-3) / 1e9
             for name in ("float32", "quant"):
@@ -127,7 +128,8 @@ def main() -> int:
                "copy_share_float32": 1 - t["float32_unthrottled"] / t["float32"]}
         rounds.append(row)
         print(f"round {k}: float32 {t['float32']:.0f} ms (copies {row['copy_share_float32']:.0%}), "
-              f"{args.expert_dtype} {t['quant']:.0f} ms = {row['ratio']:.3f}x; no copies {t['float32_unthrottled']:.0f} ms",
+              f"{args.expert_dtype} {t['quant']:.0f} ms = {row['ratio']:.3f}x; "
+              f"no copies {t['float32_unthrottled']:.0f} ms",
               file=sys.stderr)
     for eng in engines.values():
         eng.om.close()
