@@ -9,7 +9,8 @@ import torch
 
 from moespec.errors import OptionError
 from moespec.hub.sizes import model_sizes
-from moespec.models.quant import QuantSpec, dequantize, dequantize_reference, pack, quantize, unpack
+from moespec.models.quant import (QuantSpec, dequantize, dequantize_reference, pack, quantize, unpack,
+                                  unpack_reference)
 from moespec.models.quant_layout import QuantLayout
 
 
@@ -28,11 +29,22 @@ def test_fast_dequantize_is_bit_for_bit_torchao(bits):
     assert q.codes.numel() == 40 * 48 * bits // 8 and q.scales.dtype == torch.float16 and q.zeros.dtype == torch.uint8
 
 
-def test_int4_codes_pack_two_per_byte_low_nibble_first():
+def test_int4_codes_pack_two_per_byte_in_halves():
     codes = torch.tensor([1, 2, 15, 0], dtype=torch.uint8)
     packed = pack(codes, 4)
-    assert packed.tolist() == [1 | 2 << 4, 15]
+    assert packed.tolist() == [1 | 15 << 4, 2]  # byte k: code k low, code k + N/2 high
     assert torch.equal(unpack(packed, 4), codes)
+    assert torch.equal(unpack_reference(packed, 4), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_unpack_of_several_projections_equals_the_reference_per_projection(bits):
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 2**bits, (96,), dtype=torch.uint8, generator=gen) for _ in range(3)]
+    packed = torch.cat([pack(c, bits) for c in parts])
+    want = torch.cat([unpack_reference(pack(c, bits), bits) for c in parts])
+    assert torch.equal(want, torch.cat(parts))
+    assert torch.equal(unpack(packed, bits, parts=3), want)
 
 
 def test_groups_are_consecutive_weights_across_rows():
@@ -46,10 +58,11 @@ def test_groups_are_consecutive_weights_across_rows():
     assert torch.allclose(back, w, atol=0.05)
 
 
-def test_row_holds_codes_scales_and_zeros_of_one_expert():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_row_holds_codes_scales_and_zeros_of_one_expert(bits):
     h, i, g = 32, 16, 64
-    layout = QuantLayout(hidden=h, intermediate=i, bits=4, group_size=g)
-    used = 3 * (h * i // 2 + h * i // g * 3)  # codes + (fp16 scale, uint8 zero) per group, 3 projections
+    layout = QuantLayout(hidden=h, intermediate=i, bits=bits, group_size=g)
+    used = 3 * (h * i * bits // 8 + h * i // g * 3)  # codes + (fp16 scale, uint8 zero) per group, 3 projections
     assert layout.numel == used + (-used) % 16 and layout.numel % 16 == 0
     gen = torch.Generator().manual_seed(1)
     gate, up, down = (torch.randn(*s, generator=gen) for s in ((i, h), (i, h), (h, i)))
@@ -66,6 +79,8 @@ def test_row_holds_codes_scales_and_zeros_of_one_expert():
                         torch.float32) for n, w in (("gate", gate), ("up", up), ("down", down))}
     assert torch.equal(got["gate_up"], torch.cat([fq["gate"], fq["up"]]))
     assert torch.equal(got["down"], fq["down"])
+    slow = layout.weights_reference(row, torch.float32)  # torchao per projection, codes unpacked one by one
+    assert all(torch.equal(got[k], slow[k]) for k in ("gate_up", "down"))
     x = torch.randn(3, h, generator=gen)
     want = torch.nn.functional.linear(torch.nn.functional.silu(x @ fq["gate"].T) * (x @ fq["up"].T), fq["down"])
     assert torch.allclose(layout.forward(x, row, torch.nn.functional.silu), want, atol=1e-6)

@@ -9,7 +9,10 @@ has an asymmetric affine map with a float16 scale and a uint8 zero point:
 
     code = clamp(round(w / scale) + zero, 0, 2**bits - 1),   w' = (code - zero) * scale
 
-int8 keeps one code per byte; int4 packs two codes per byte, low nibble first. The arithmetic of
+int8 keeps one code per byte. int4 packs two codes per byte in halves: byte k of a projection of N
+weights holds code k in its low nibble and code k + N/2 in its high nibble, so unpacking is two
+whole-tensor bit operations and one concatenation (interleaving low/high nibbles of neighbouring
+bytes was a strided stack, ~5x slower than the rest of dequantisation together). The arithmetic of
 choosing scale/zero and rounding is torchao's affine quantisation primitives (``choose_qparams_affine``,
 ``quantize_affine``, run at load on the CPU); dequantisation is the same formula in plain torch
 (:func:`dequantize`, so it runs on any device after the packed copy without importing torchao), and
@@ -151,36 +154,52 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> Quantized:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [N] uint8 (< 2**bits) -> packed [N*bits/8] uint8 (int4: element 2k in the low nibble)."""
+    """codes [N] uint8 (< 2**bits) -> packed [N*bits/8] uint8 (int4: byte k = code k | code k+N/2 << 4)."""
     if bits == 8:
         return codes.contiguous()
-    pairs = codes.view(-1, 2)  # [N/2, 2]
-    return pairs[:, 0] | (pairs[:, 1] << 4)
+    half = codes.numel() // 2
+    return codes[:half] | (codes[half:] << 4)
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """packed [N*bits/8] uint8 -> codes [N] uint8 (inverse of :func:`pack`)."""
+def unpack(packed: torch.Tensor, bits: int, parts: int = 1) -> torch.Tensor:
+    """packed [N*bits/8] uint8 -> codes [N] uint8 (inverse of :func:`pack`).
+
+    ``parts`` projections packed one after another (each by :func:`pack`, equal sizes) unpack in one call.
+    """
     if bits == 8:
         return packed
-    return torch.stack((packed & 15, packed >> 4), dim=-1).view(-1)  # [N]
+    p = packed.view(parts, 1, -1)  # [parts, 1, n/2]: each projection's low and high halves
+    return torch.cat((p & 15, p >> 4), dim=1).view(-1)  # [N]
+
+
+def unpack_reference(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Slow reference of :func:`unpack` for one projection: code k read from its byte, one at a time."""
+    if bits == 8:
+        return packed.clone()
+    half, b = packed.numel(), packed.tolist()
+    codes = [b[k] & 15 if k < half else b[k - half] >> 4 for k in range(2 * half)]
+    return torch.tensor(codes, dtype=torch.uint8)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec,
-               shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+               shape: tuple[int, ...], dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
     """Weights [*shape] in ``dtype`` from packed codes, scales [G] and zeros [G], on their device.
 
     (code - zero) * scale in float32 (exact for the integer difference, one rounding for the
-    product), then one cast to ``dtype``: bit for bit torchao's ``dequantize_affine``.
+    product), then one cast to ``dtype``: bit for bit torchao's ``dequantize_affine``. Scales and
+    zeros are made float32 first (G values): a float32 tensor with a float32 [G, 1] operand runs
+    torch's vectorised broadcast loop, mixed dtypes its slower casting loop. ``parts`` equal
+    projections packed back to back (e.g. a whole expert row) dequantise in one call.
     """
-    w = unpack(codes, spec.bits).view(-1, spec.group_size).float()  # [G, g], a fresh tensor: in place below
-    w.sub_(zeros[:, None]).mul_(scales[:, None])  # uint8 and float16 operands promote to float32
+    w = unpack(codes, spec.bits, parts).view(-1, spec.group_size).float()  # [G, g], a fresh tensor: in place below
+    w.sub_(zeros.float()[:, None]).mul_(scales.float()[:, None])
     return w.view(shape).to(dtype)
 
 
 def dequantize_reference(q: Quantized, spec: QuantSpec, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Slow reference of :func:`dequantize`: torchao's ``dequantize_affine`` on the unpacked codes."""
+    """Slow reference of :func:`dequantize`: torchao's ``dequantize_affine`` on codes unpacked one by one."""
     qp = _primitives()
-    codes = unpack(q.codes, spec.bits).view(-1, spec.group_size)  # [G, g]
+    codes = unpack_reference(q.codes, spec.bits).view(-1, spec.group_size)  # [G, g]
     w = qp.dequantize_affine(codes, (1, spec.group_size), q.scales.view(-1, 1), q.zeros.view(-1, 1), torch.uint8,
                              quant_min=0, quant_max=spec.qmax, output_dtype=torch.float32)
     return w.view(shape).to(dtype)

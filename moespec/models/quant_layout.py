@@ -14,6 +14,7 @@ dequantises on the row's device after the copy (on the host for a host row), as 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 
 from moespec.errors import CheckpointError
 from moespec.models.layout import ExpertLayout
-from moespec.models.quant import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, dequantize, quantize
+from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize,
+                                  dequantize_reference, quantize)
 
 _KINDS = ("scales", "zeros", "codes")
 _PROJ = ("gate", "up", "down")
@@ -83,13 +85,35 @@ class QuantLayout(ExpertLayout):
         return w["gate_up"], w["down"]
 
     def weights(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Dequantised on the row's device: gate_up [2I, H] and down [H, I] in ``dtype``."""
-        v, h, i = self.views(row), self.hidden, self.intermediate
+        """Dequantised on the row's device: gate_up [2I, H] and down [H, I] in ``dtype``.
+
+        The row's scales, zeros and codes are each one contiguous range over the three projections
+        (gate, up, down: I*H weights each), so the whole expert dequantises in one call.
+        """
+        scales, zeros, codes = (row[a:b] for a, b in self._ranges)
+        h, i = self.hidden, self.intermediate
+        w = dequantize(codes, scales.view(SCALE_DTYPE), zeros, self.spec, (3 * i * h,), dtype, parts=3)  # [3IH]
+        return {"gate_up": w[: 2 * i * h].view(2 * i, h), "down": w[2 * i * h :].view(h, i)}
+
+    def weights_reference(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Slow reference of :meth:`weights`: each projection on its own through :func:`dequantize_reference`."""
+        v, h, i, spec = self.views(row), self.hidden, self.intermediate, self.spec
         out = {}
         for name, shape in (("gate_up", (2 * i, h)), ("down", (h, i))):
-            out[name] = dequantize(v[f"{name}_codes"], v[f"{name}_scales"].view(SCALE_DTYPE), v[f"{name}_zeros"],
-                                   self.spec, shape, dtype)
+            n = 2 if name == "gate_up" else 1  # gate and up were quantised (and packed) separately
+            codes, scales, zeros = (v[f"{name}_{k}"].chunk(n) for k in ("codes", "scales", "zeros"))
+            out[name] = torch.cat([dequantize_reference(Quantized(c, s.view(SCALE_DTYPE), z), spec, (i * h,), dtype)
+                                   for c, s, z in zip(codes, scales, zeros)]).view(shape)
         return out
+
+    @functools.cached_property
+    def _ranges(self) -> tuple[tuple[int, int], ...]:
+        # (start, end) bytes of all scales, all zeros, all codes (gate_up's then down's, adjacent).
+        at, spans = 0, {}
+        for name, shape in self.part_shapes().items():
+            spans[name] = (at, at + shape[0])
+            at += shape[0]
+        return tuple((spans[f"gate_up_{k}"][0], spans[f"down_{k}"][1]) for k in ("scales", "zeros", "codes"))
 
     # --- checkpoint parts -------------------------------------------------------------------
     @property

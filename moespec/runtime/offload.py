@@ -3,7 +3,8 @@
 Loading builds the model skeleton with empty (meta) weights, swaps every sparse MoE block of
 this instance for an OffloadedMoeBlock, then reads the checkpoint tensor by tensor: expert
 tensors go into the packed host store, everything else (embeddings, attention, norms, routers,
-shared experts, lm_head) onto the device. Peak host memory is about the checkpoint size.
+shared experts, lm_head) onto the device. Peak host memory is about the loaded size (store + dense
+part): the checkpoint is read through a bounded window of its file mapping (checkpoint.iter_tensors).
 """
 
 from __future__ import annotations
@@ -368,6 +369,10 @@ def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, fil
         # The skeleton's dtype is the model dtype except where transformers keeps float32
         # (_keep_in_fp32_modules: DeepSeek/GLM router weights and e_score_correction_bias).
         keep = skeleton.dtype if skeleton.is_floating_point() else dtype
+        if device.type == "cpu" and (tensor.dtype == keep or not tensor.is_floating_point()):
+            # Out of the checkpoint's file mapping: a parameter viewing it would keep every page read
+            # so far resident (checkpoint.iter_tensors). A cast or a device copy copies anyway.
+            tensor = tensor.clone()
         set_module_tensor_to_device(model, target, device, value=tensor, dtype=keep)
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from moespec.errors import OutputError
 from moespec.models.quant_layout import QuantLayout
+from moespec.runtime.checkpoint import WINDOW_BYTES, MappingWindow
 from moespec.runtime.store import ExpertStore
 
-FORMAT = 1  # bump when the row layout or the quantisation arithmetic changes
+FORMAT = 2  # bump when the row layout or the arithmetic changes (2: int4 packs halves)
 META_KEY = "moespec_quant_store"
 TENSOR = "experts"
 
@@ -83,7 +84,7 @@ class QuantStoreCache:
         return cls(cache_path(model_folder, layout), json.loads(json.dumps(meta)))
 
     def load_into(self, store: ExpertStore) -> bool:
-        """Fill ``store.buffer`` from the file, one MoE layer at a time; False when it is absent or stale.
+        """Fill ``store.buffer`` from the file, block by block; False when it is absent or stale.
 
         A stale or unreadable file is left for :meth:`save` to replace; nothing partial is used (the
         caller quantises the whole store again when this returns False).
@@ -95,13 +96,20 @@ class QuantStoreCache:
         try:
             with safe_open(str(self.path), framework="pt", device="cpu") as fh:
                 meta = json.loads((fh.metadata() or {}).get(META_KEY, "null"))
-                if meta != self.meta:
-                    return False
                 rows = fh.get_slice(TENSOR)
-                if tuple(rows.get_shape()) != tuple(store.buffer.shape) or rows.get_dtype() != "U8":
+                shape, dtype = tuple(rows.get_shape()), rows.get_dtype()
+                if meta != self.meta or shape != tuple(store.buffer.shape) or dtype != "U8":
                     return False
-                for m in range(store.buffer.shape[0]):  # a layer at a time: no second copy of the store
-                    store.buffer[m].copy_(rows[m])
+            # Blocks of rows through a reopened mapping: a mapping keeps each page read resident
+            # (checkpoint.iter_tensors), so the whole file is never resident beside the store.
+            buf = store.buffer  # [M, E, P]
+            step = max(1, WINDOW_BYTES // buf.shape[2])  # rows per window
+            with MappingWindow(self.path) as window:
+                for m in range(buf.shape[0]):
+                    for e in range(0, buf.shape[1], step):
+                        block = buf[m, e : e + step]  # [<=step, P]
+                        block.copy_(window.handle().get_slice(TENSOR)[m, e : e + block.shape[0]])
+                        window.count(block.numel())
         except Exception:  # safetensors raises its own errors for truncated/corrupt files: rebuild
             return False
         return True
