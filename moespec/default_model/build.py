@@ -213,7 +213,8 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
     """Convert every layer of ``dense``, resuming from and adding to ``state``'s checkpoints.
 
     Args:
-        dense: the dense LlamaForCausalLM (float32).
+        dense: the dense LlamaForCausalLM (float32); each layer's FFN is dropped once converted
+            (less memory; only the embeddings, norms and attention are read afterwards).
         calib: [N, S] int64 calibration token ids.
         layout: convert.MoeLayout.
         state: checkpoints.LayerCheckpoints (opened here).
@@ -240,6 +241,8 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
         h, rope = calibration_inputs(dense, calib)  # [N, S, H]
         if first:
             h = state.hidden()
+        for layer in dense.model.layers[:first]:
+            layer.mlp = None  # converted in the last run: its dense FFN is not needed again
         with _progress(console, "converting layers") as progress:
             task = progress.add_task("convert", total=n_layers, completed=first)
             for index in range(first, n_layers):
@@ -249,6 +252,7 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
                                                 None if fits is None else fits[index])
                 report.layer, report.seconds = index, time.perf_counter() - t0
                 state.save(index, block.state_dict(), report, used, h)
+                dense.model.layers[index].mlp = None  # converted: its dense FFN (10.6 MB) is not needed again
                 progress.advance(task)
         del h
     moe = Qwen2MoeForCausalLM(config).eval()
