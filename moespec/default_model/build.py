@@ -244,7 +244,7 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
             layer.mlp = None  # converted in the last run: its dense FFN is not needed again
         # The conversion keeps freed memory for reuse (fewer page faults: ~20% faster, heap.py);
         # it is handed back before the MoE model is assembled, which filled the kept heap's holes
-        # badly (measured: +0.47 GB, the build's peak of 3.21 GB) where it now starts afresh.
+        # badly (measured: +0.48 GB, a peak of 3.29 GB) where it now starts afresh (peak 2.77 GB, in conversion).
         with keep_freed_memory(), _progress(console, "converting layers") as progress:
             task = progress.add_task("convert", total=n_layers, completed=first)
             for index in range(first, n_layers):
