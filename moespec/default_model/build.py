@@ -179,8 +179,7 @@ def _build(folder: Path, console: Console, full: bool = False) -> None:
     # changes no result that is kept (the values are < 1.2e-38). Restored to torch's default after.
     torch.set_flush_denormal(True)
     try:
-        with keep_freed_memory():  # fewer page faults: the conversion ~20% faster (heap.py)
-            _build_into(tmp, console, full)
+        _build_into(tmp, console, full)
         _move_into_place(tmp, folder)
         shutil.rmtree(state_dir(), ignore_errors=True)  # the checkpoints and the extracted GGUF
     except OSError as exc:
@@ -216,7 +215,8 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
     """Convert every layer of ``dense``, resuming from and adding to ``state``'s checkpoints.
 
     Args:
-        dense: the dense LlamaForCausalLM (float32).
+        dense: the dense LlamaForCausalLM (float32); each layer's FFN is dropped once converted
+            (less memory; only the embeddings, norms and attention are read afterwards).
         calib: [N, S] int64 calibration token ids.
         layout: convert.MoeLayout.
         state: checkpoints.LayerCheckpoints (opened here).
@@ -243,7 +243,12 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
         h, rope = calibration_inputs(dense, calib)  # [N, S, H]
         if first:
             h = state.hidden()
-        with _progress(console, "converting layers") as progress:
+        for layer in dense.model.layers[:first]:
+            layer.mlp = None  # converted in the last run: its dense FFN is not needed again
+        # The conversion keeps freed memory for reuse (fewer page faults: ~20% faster, heap.py);
+        # it is handed back before the MoE model is assembled, which filled the kept heap's holes
+        # badly (measured: +0.48 GB, a peak of 3.29 GB) where it now starts afresh (peak 2.77 GB, in conversion).
+        with keep_freed_memory(), _progress(console, "converting layers") as progress:
             task = progress.add_task("convert", total=n_layers, completed=first)
             for index in range(first, n_layers):
                 t0 = time.perf_counter()
@@ -252,6 +257,7 @@ def convert_resumable(dense, calib: torch.Tensor, layout, state, console: Consol
                                                 None if fits is None else fits[index])
                 report.layer, report.seconds = index, time.perf_counter() - t0
                 state.save(index, block.state_dict(), report, used, h)
+                dense.model.layers[index].mlp = None  # converted: its dense FFN (10.6 MB) is not needed again
                 progress.advance(task)
         del h
     moe = Qwen2MoeForCausalLM(config).eval()

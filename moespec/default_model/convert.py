@@ -217,7 +217,8 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
     w_gate = dense_mlp.gate_proj.weight  # [I, H]
     w_up = dense_mlp.up_proj.weight  # [I, H]
     w_down = dense_mlp.down_proj.weight  # [H, I]
-    act = torch.nn.functional.silu(s @ w_gate.T) * (s @ w_up.T)  # [T, I]
+    # In place (silu_, mul_): the same values with one [T, I] temporary instead of two.
+    act = torch.nn.functional.silu(s @ w_gate.T, inplace=True).mul_(s @ w_up.T)  # [T, I]
     n_fit = s.shape[0] - s.shape[0] // 10
     target = act @ w_down.T  # [T, H] dense FFN output
     if fits is None:
@@ -228,9 +229,10 @@ def _convert_ffn(dense_mlp: torch.nn.Module, block: torch.nn.Module, s: torch.Te
 
     logits = s.to(WORK_DTYPE) @ fits.router.to(WORK_DTYPE).T  # [T, E]
     weights, ids = topk_weights(logits, layout.top_k)  # [T, K]
-    down = refit_down_routed(act_shared[:n_fit].to(WORK_DTYPE), act_routed[:n_fit].to(WORK_DTYPE), ids[:n_fit],
-                             weights[:n_fit], target[:n_fit].to(WORK_DTYPE), layout.ridge,
-                             layout.relative_refit).to(s.dtype)  # [H, I]
+    # The refit makes its own WORK_DTYPE copies and scales them in place: the build's peak memory.
+    down = refit_down_routed(act_shared[:n_fit], act_routed[:n_fit], ids[:n_fit], weights[:n_fit],
+                             target[:n_fit], layout.ridge, layout.relative_refit,
+                             dtype=WORK_DTYPE).to(s.dtype)  # [H, I]
     n_sh = layout.shared_neurons
     routed_features = moe_features(act_shared[:, :0], act_routed, ids, weights)  # [T, E * I_e]
     output = act_shared @ down[:, :n_sh].T + routed_features @ down[:, n_sh:].T  # [T, H] (returned, scored on held rows)
@@ -294,7 +296,8 @@ def convert_layer(dense_layer: torch.nn.Module, block: torch.nn.Module, h: torch
         dense_layer: the dense LlamaDecoderLayer (float32; copied to STREAM_DTYPE here, one layer at
             a time, so no second copy of the whole model exists).
         block: the layer's Qwen2MoeSparseMoeBlock (float32), filled in place.
-        h: [N, S, H] STREAM_DTYPE hidden states entering the layer (through the converted layers before it).
+        h: [N, S, H] STREAM_DTYPE hidden states entering the layer (through the converted layers before it);
+            overwritten: the layer's result is written into its memory (one [N, S, H] copy fewer).
         rope: (cos, sin) from :func:`calibration_inputs`.
         layout: the expert layout and fitting settings.
         fits: the layer's recorded fits (fits.py), or None to fit them (the full recipe).
@@ -304,13 +307,13 @@ def convert_layer(dense_layer: torch.nn.Module, block: torch.nn.Module, h: torch
         h after the converted layer: [N, S, H] STREAM_DTYPE, the fits used).
     """
     work = copy.deepcopy(dense_layer).to(STREAM_DTYPE)
-    r = torch.empty_like(h)  # [N, S, H]
+    r = h  # [N, S, H]: the residual stream, updated in place window by window
     for start in range(0, h.shape[0], ATTENTION_WINDOWS):
         part = h[start:start + ATTENTION_WINDOWS]  # [n, S, H]
         cos, sin = (t.expand(part.shape[0], -1, -1) for t in rope)
         # attention_mask=None: SDPA applies the causal mask itself for S > 1.
         attn, _ = work.self_attn(work.input_layernorm(part), position_embeddings=(cos, sin), attention_mask=None)
-        r[start:start + ATTENTION_WINDOWS] = part + attn
+        part.add_(attn)  # each window's attention reads only its own rows, so they can be replaced
     s = work.post_attention_layernorm(r)  # [N, S, H]
     report, out, fits = _convert_ffn(work.mlp, block, s.reshape(-1, s.shape[-1]), layout, fits)
     del s
