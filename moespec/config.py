@@ -26,7 +26,7 @@ class ExecuteMode(str, enum.Enum):
 
     EXACT = "exact"  # true router; missing experts fetched synchronously
     SPECULATIVE = "speculative"  # predicted experts with predicted weights (the paper)
-    GUARDED = "guarded"  # true router; fetch a miss only if its weight >= fetch_threshold
+    GUARDED = "guarded"  # true router; light misses skipped by --guard-rule/--fetch-threshold
 
 
 class GuardRule(str, enum.Enum):

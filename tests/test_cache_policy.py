@@ -233,10 +233,17 @@ def test_a_calibration_file_of_another_model_is_checked_like_quasi(tiny_models, 
     own = save_calibration(tmp_path / "own.safetensors", calib)
     twin = make_checkpoint(tmp_path / "twin", "qwen3_moe", seed=7)  # same config, other router weights
     save_calibration(twin / BESIDE_MODEL, calib)  # found automatically for the twin: stale
+    import threading
+
+    def copy_threads() -> int:
+        return sum(t.name == "moespec-h2d" for t in threading.enumerate())
+
+    before = copy_threads()
     for policy in (CachePolicy.LFU, CachePolicy.LFRU, CachePolicy.STATIC):
         with pytest.raises(CalibrationError, match="router weights differ") as err:
             load_offloaded(twin, RuntimeConfig(predictor=Predictor.NONE, cache_policy=policy))
         assert "moespec calibrate" in err.value.hint and "--cache-policy lru" in err.value.hint
+        assert copy_threads() == before  # the failed load stopped its copy engine
     om = load_offloaded(twin, RuntimeConfig(predictor=Predictor.NONE))  # default policy: falls back
     try:
         assert om.cache.policy == CachePolicy.LRU

@@ -146,8 +146,8 @@ Threads = typer.Option(None, "--threads",
                             "shares the cores).")
 Threads = typer.Option(None, "--threads", show_default=False,
                        help="CPU threads for torch. Default: one fewer than the cores this process may use, at "
-                            "least 1 (1 on 2 cores: chat TPOT on the default model, idle 2-core machine, 86 ms "
-                            "vs 152-156 ms with torch's 2 threads, which compete with the copy worker); "
+                            "least 1 (1 on 2 cores: median chat TPOT on the default model, idle 2-core machine, "
+                            "114 ms vs 144 ms with torch's 2 threads, which compete with the copy worker); "
                             "OMP_NUM_THREADS, when set, wins.")
 
 

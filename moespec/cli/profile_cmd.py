@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype, FetchThreshold,
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype,
                                 Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
                                 err_console, handles_errors, register_command, set_threads)
 

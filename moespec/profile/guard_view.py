@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from moespec.profile.strategy import base_name
 from moespec.tables import Column, fit_tables
 
 
 def _exact_of(res: dict, results: list[dict]) -> dict | None:
-    base = res["strategy"].split("@")[0]
+    base = base_name(res["strategy"])
     return next((r for r in results if r["strategy"] == base and r["prompt_len"] == res["prompt_len"]
                  and r["execute"] == "exact"), None)
 
@@ -44,9 +45,9 @@ def guard_rows(rep: dict, plen: int) -> list[dict]:
     rows = [r for r in rep["results"] if r["prompt_len"] == plen]
     guarded = [r for r in rows if r.get("fetch_threshold") is not None]
     out: list[dict] = []
-    for base in dict.fromkeys(r["strategy"].split("@")[0] for r in guarded):
+    for base in dict.fromkeys(base_name(r["strategy"]) for r in guarded):
         ref = [r for r in rows if r["strategy"] == base and r["execute"] == "exact"]
-        arms = sorted((r for r in guarded if r["strategy"].split("@")[0] == base), key=lambda r: r["fetch_threshold"])
+        arms = sorted((r for r in guarded if base_name(r["strategy"]) == base), key=lambda r: r["fetch_threshold"])
         out.extend(ref + arms)
     return out
 

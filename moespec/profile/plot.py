@@ -11,6 +11,7 @@ import os
 
 from moespec.errors import OptionError
 from moespec.fsutil import atomic_path
+from moespec.profile.strategy import base_name
 
 
 def require_matplotlib() -> None:
@@ -82,8 +83,8 @@ def write_plot(rep: dict, path: str | os.PathLike) -> None:
 
 def _guard_curve(axes, rows: list[dict], plen: int) -> None:
     """Bytes vs quality: each exact arm and its guarded arms as one line, τ written at each point."""
-    for base in dict.fromkeys(r["strategy"].split("@")[0] for r in rows):
-        pts = [r for r in rows if r["strategy"].split("@")[0] == base]
+    for base in dict.fromkeys(base_name(r["strategy"]) for r in rows):
+        pts = [r for r in rows if base_name(r["strategy"]) == base]
         x = [r["h2d_bytes_per_token"] / 1e6 for r in pts]
         ys = ([r["quality"]["top1_agreement"] for r in pts],
               [(r.get("vs_exact") or {}).get("perplexity_ratio") or 1.0 for r in pts])

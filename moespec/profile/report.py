@@ -25,6 +25,7 @@ from moespec.models.quant_layout import expert_format
 from moespec.profile.guard_view import add_vs_exact
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate
+from moespec.profile.strategy import base_name
 from moespec.runtime.stats import LayerStats
 
 
@@ -88,7 +89,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
     copy_ms = statistics.fmean(s.bounds.copy_ms for s in steps) if steps else 0.0
     return {
         "strategy": runs[0].strategy,
-        "upper_bound": runs[0].strategy.split("@")[0] == "oracle",
+        "upper_bound": base_name(runs[0].strategy) == "oracle",
         "prompt_len": runs[0].prompt_len,
         "execute": execute,
         "ttft_ms": _mean_std([r.ttft_ms for r in runs]),

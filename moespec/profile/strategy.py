@@ -42,14 +42,14 @@ class Strategy:
         return base if self.threshold is None else f"{base}@{self.threshold:g}"
 
     @property
-    def base(self) -> str:
-        """The name without ``@τ``: the exact arm a guarded arm is compared with."""
-        return self.name.split("@")[0]
-
-    @property
     def value(self) -> str:
         """The name (reads like Predictor.value where strategies were predictors)."""
         return self.name
+
+
+def base_name(strategy: str) -> str:
+    """A strategy's name without ``@τ``: the exact arm a guarded arm (``router@0.2``) is compared with."""
+    return strategy.split("@")[0]
 
 
 def _choice(kind, text: str, flag: str):

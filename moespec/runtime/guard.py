@@ -76,12 +76,12 @@ def skipped_positions(ids: list[int], w: list[float], resident: set[int], thresh
     return sorted(skipped)
 
 
-def guard_signals(routing: Routing, threshold: float | None = None) -> torch.Tensor:
+def guard_signals(routing: Routing) -> torch.Tensor:
     """What the guard decides from, as one float64 vector [2K + E] on the device (no sync).
 
     [ids (K) | gate weights (K, float32 values) | experts by descending logit (E)]; float64 holds all
-    of them exactly. ``routing``: ids/weights [1, K], logits [1, E]. ``threshold`` is unused (τ is
-    applied on the host); kept so older callers read the same.
+    of them exactly. ``routing``: ids/weights [1, K], logits [1, E]. τ is applied on the host
+    (:func:`plan_guard`).
     """
     w = routing.weights[0].float()  # [K]
     order = torch.argsort(routing.logits[0].float(), descending=True, stable=True)  # [E]

@@ -278,7 +278,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     """Load the checkpoint folder ``path`` for offloaded inference.
 
     Raises:
-        ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError, OptionError.
+        ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError, OptionError,
+        CalibrationError (a seeded cache policy's calibration file is missing or another model's).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -304,36 +305,42 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     resolve_policy(cfg.cache_policy, path, cfg.calibration_path)  # a missing calibration file fails here, early
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
-    engine = make_transfer_engine(device, slots, cfg.link_gbps)
-    cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
-    recorder = recorder or NullRecorder()
-    _wire_recorder(recorder, engine)
-    runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
-    runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
+    engine = om = None
+    try:  # whatever fails from here (a corrupt file, a stale calibration) unpins what was pinned
+        engine = make_transfer_engine(device, slots, cfg.link_gbps)
+        cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
+        recorder = recorder or NullRecorder()
+        _wire_recorder(recorder, engine)
+        runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
+        runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
 
-    refs = []
-    for i in moe_layers:
-        layer = model.model.layers[i]
-        layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner, adapter)
-        # r_l is the input of the post-attention norm: capture it for the predictors.
-        layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
-        refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
+        refs = []
+        for i in moe_layers:
+            layer = model.model.layers[i]
+            layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner, adapter)
+            # r_l is the input of the post-attention norm: capture it for the predictors.
+            layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
+            refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
 
-    # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
-    saved = QuantStoreCache.for_store(path, files, store)  # None when the layout is not quantised
-    from_cache = saved is not None and saved.load_into(store)
-    _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
-    if saved is not None and not from_cache:
-        saved.save(store)
-    rule, note = _rule_factory(cfg, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
-    cache.set_rule(rule)
-    runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-    om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
-                        [note] if note else [])
-    try:
+        # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
+        saved = QuantStoreCache.for_store(path, files, store)  # None when the layout is not quantised
+        from_cache = saved is not None and saved.load_into(store)
+        _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
+        if saved is not None and not from_cache:
+            saved.save(store)
+        rule, note = _rule_factory(cfg, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
+        cache.set_rule(rule)
+        runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
+        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
+                            [note] if note else [])
         om.set_on_miss(cfg.on_miss)
     except BaseException:
-        om.close()
+        if om is not None:
+            om.close()
+        else:
+            if engine is not None:
+                engine.close()
+            store.close()
         raise
     return om
 
