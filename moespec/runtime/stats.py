@@ -232,15 +232,14 @@ class Summary:
         ``TPOT 86.2 ms · recall@K n/a · H2D 1.57 MB · stall 0.78 ms · host 117 · lfru``.
         """
         rec = "n/a" if self.recall is None else f"{self.recall:.2f}"
+        per = "" if host else "/tok"  # with host: every value after TPOT is per token, said once by TPOT
+        rest = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB{per} · "
+                f"stall {_short(self.stall_ms_per_token)} ms{per}")
         if host:
-            line = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB · "
-                    f"stall {_short(self.stall_ms_per_token)} ms · host {_short(self.host_experts_per_token)}")
-            return line if policy is None else f"{line} · {policy}"
-        rest = (f"TPOT {_short(self.tpot_ms)} ms · recall@K {rec} · H2D {_short(self.h2d_mb_per_token)} MB/tok · "
-                f"stall {_short(self.stall_ms_per_token)} ms/tok")
-        if policy is None:
+            rest += f" · host {_short(self.host_experts_per_token)}"
+        elif policy is None:
             return f"{_short(self.tokens_per_s)} tok/s · {rest}"
-        return f"{rest} · {policy}"
+        return rest if policy is None else f"{rest} · {policy}"
 
 
 def _short(x: float) -> str:
