@@ -12,7 +12,7 @@ import typer
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
-                                register_command, set_threads)
+                                print_notes, register_command, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -140,8 +140,7 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
     from moespec.chat.session import ChatSession
 
     opened = open_model(model, cfg, None if quiet else err_console)
-    for note in opened.engine.om.notes:  # stderr, so even --json keeps it out of the answer
-        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+    print_notes(opened.engine.om.notes)
     if not quiet:
         om = opened.engine.om
         err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)

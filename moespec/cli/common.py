@@ -151,6 +151,13 @@ Threads = typer.Option(None, "--threads", show_default=False,
                             "OMP_NUM_THREADS, when set, wins.")
 
 
+def print_notes(notes: list[str]) -> None:
+    """Print the loader's one-line notes (e.g. a stale calibration file's fallback) on stderr, so
+    even ``--json`` output stays only the answer."""
+    for note in notes:
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+
+
 def default_threads() -> int | None:
     """torch's intra-op threads when --threads is not given; None keeps torch's choice.
 

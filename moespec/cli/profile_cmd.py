@@ -9,7 +9,7 @@ import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype,
                                 Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
-                                err_console, handles_errors, register_command, set_threads)
+                                err_console, handles_errors, print_notes, register_command, set_threads)
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -216,8 +216,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
                 made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
         predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
-        for note in om.notes:
-            err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+        print_notes(om.notes)
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")

@@ -10,7 +10,7 @@ from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, D
                                 ExpertDtype, FetchThreshold, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
                                 ModelArg,
                                 OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
-                                set_threads)
+                                print_notes, set_threads)
 from moespec.errors import MoespecError
 
 HELP = """Serve an MoE model through an OpenAI-compatible HTTP API.
@@ -149,8 +149,7 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
     check_predictor_files(model, cfg)  # a missing calibration/estimator file: said before loading
     opened = open_model(model, cfg, err_console)
     err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
-    for note in opened.engine.om.notes:
-        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+    print_notes(opened.engine.om.notes)
     app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
     err_console.print(f"serving [bold]{app.state.backend.name}[/] on http://{host}:{port}/v1 "
                       f"(metrics: /metrics)", highlight=False)
