@@ -242,8 +242,8 @@ def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], c
     return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
 
 
-def _rule_factory(cfg: RuntimeConfig, path: Path, top_k: int, slots: int, config, refs: list[LayerRef]):
-    """What makes the cache's eviction rule (``--cache-policy``; seeded ones read the calibration file),
+def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int, config, refs: list[LayerRef]):
+    """What makes the cache's eviction rule for ``policy`` (resolve_policy's; seeded ones read the calibration file),
     and a note for the user or None. Called once the routers are loaded: a seeded policy's file must be
     this model's (as the quasi predictor's must). A stale file is an error when the policy was asked
     for; for the default policy the cache falls back to LRU with a one-line note.
@@ -256,9 +256,8 @@ def _rule_factory(cfg: RuntimeConfig, path: Path, top_k: int, slots: int, config
     from moespec.calibrate.locate import model_key
     from moespec.config import CachePolicy
     from moespec.errors import CalibrationError
-    from moespec.runtime.cache_policy import load_seed, make_rule, resolve_policy
+    from moespec.runtime.cache_policy import load_seed, make_rule
 
-    policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
     seed, note = None, None
     if policy.needs_calibration:
         try:
@@ -302,7 +301,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
     from moespec.runtime.cache_policy import resolve_policy
 
-    resolve_policy(cfg.cache_policy, path, cfg.calibration_path)  # a missing calibration file fails here, early
+    # A missing calibration file fails here, before anything is allocated.
+    policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = None
@@ -328,7 +328,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
         if saved is not None and not from_cache:
             saved.save(store)
-        rule, note = _rule_factory(cfg, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
+        rule, note = _rule_factory(cfg, policy, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
         cache.set_rule(rule)
         runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
