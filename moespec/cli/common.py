@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from moespec.config import DEFAULT_FETCH_THRESHOLD, GuardRule
 from moespec.errors import MoespecError
 
 F = TypeVar("F", bound=Callable)
@@ -114,10 +115,10 @@ CachePolicyOpt = typer.Option(
     help="Expert cache eviction: lru, lfu, lfru or static (lfu/lfru/static read the calibration file's expert "
          "frequencies). Default: lfru when the model has a calibration file, else lru.")
 FetchThreshold = typer.Option(None, "--fetch-threshold", show_default=False,
-                              help="guarded mode: τ in renormalised gate weight (default 0.2); with "
+                              help=f"guarded mode: τ in renormalised gate weight (default {DEFAULT_FETCH_THRESHOLD:g}); with "
                                    "--guard-rule threshold a miss lighter than τ is skipped, with budget a "
                                    "token skips misses lightest first up to τ of its weight.")
-GuardRuleOpt = typer.Option("budget", "--guard-rule",
+GuardRuleOpt = typer.Option(GuardRule.BUDGET.value, "--guard-rule",
                             help="guarded mode: threshold (skip every miss lighter than τ) or budget (skip "
                                  "misses lightest first while the token's skipped weight stays <= τ).")
 Seed = typer.Option(0, "--seed", help="Random seed.")

@@ -10,6 +10,7 @@ import typer
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype,
                                 Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
                                 err_console, handles_errors, print_notes, register_command, set_threads)
+from moespec.config import DEFAULT_FETCH_THRESHOLD
 
 HELP = """Run prefetch strategies side by side on one token trace: where every ms and byte went.
 
@@ -82,7 +83,7 @@ def profile(
     execute: str = typer.Option("exact", "--execute", help="exact, speculative or guarded. exact equals transformers' default experts implementation at the same dtype (top-k outputs summed in float32, rounded once)."),
     fetch_threshold: Optional[str] = typer.Option(
         None, "--fetch-threshold", show_default=False,
-        help="guarded mode: τ, or a comma list of τ values compared with exact (default 0.2)."),
+        help=f"guarded mode: τ, or a comma list of τ values compared with exact (default {DEFAULT_FETCH_THRESHOLD:g})."),
     guard_rule: str = GuardRuleOpt,
     decode_inputs: str = typer.Option("greedy", "--decode-inputs",
                                       help="What decode steps are fed: greedy (the exact run's tokens) or text "
