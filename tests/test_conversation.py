@@ -116,15 +116,11 @@ def test_template_without_system_role_prefixes_the_first_user_message(folder_of)
 
 
 @pytest.mark.slow
-def test_default_model_five_turns_equal_transformers():
-    """The embedded default model (if built in ~/.cache/moespec), its own chat template."""
-    from moespec.default_model import DEFAULT_MODEL_NAME
-
-    folder = Path.home() / ".cache" / "moespec" / "models" / DEFAULT_MODEL_NAME
-    if not (folder / "model.safetensors").is_file():
-        pytest.skip("the default model is not built in ~/.cache/moespec")
+def test_default_model_five_turns_equal_transformers(default_model):
+    """The embedded default model (reused or built once, conftest.default_model), its own chat template."""
     from transformers import AutoTokenizer
 
+    folder = default_model
     template = AutoTokenizer.from_pretrained(folder).chat_template
     questions = ["What is the capital of France?", "And of Italy?", "Name a river there.", "Thanks!", "Bye"]
     reuse = run_conversation(folder, template, questions, SYSTEM, max_new=12, cache_experts=64)

