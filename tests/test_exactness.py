@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_checkpoint, reference_model
+from tiny import GREEDY_PROMPT, make_checkpoint, offloaded_greedy, reference_greedy, reference_model
 
-from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
+from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
 from moespec.runtime.offload import load_offloaded
 from moespec.runtime.stats import StatsRecorder
@@ -60,17 +60,8 @@ def test_logits_equal_transformers_for_every_cache_size(tiny_models, family, pre
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_transformers(tiny_models, family):
     folder = tiny_models[family]
-    ref = reference_model(folder)
-    prompt = [5, 17, 99, 3, 200, 41]
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-    om = load_offloaded(folder, RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, link_gbps=None))
-    try:
-        got = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=12)))
-    finally:
-        om.close()
-    assert got == want
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, link_gbps=None)
+    assert offloaded_greedy(folder, cfg, GREEDY_PROMPT, 12) == reference_greedy(folder, GREEDY_PROMPT, 12)
 
 
 @pytest.mark.parametrize("hidden,inter", [(32, 32), (32, 16)])  # H == I and H == 2I

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_exactness import _incremental_logits
-from tiny import reference_model
+from tiny import GREEDY_PROMPT, offloaded_greedy, reference_greedy, reference_model
 from typer.testing import CliRunner
 
 from moespec.config import ExecuteMode, OnMiss, Predictor, RuntimeConfig, SamplingConfig
@@ -56,17 +56,8 @@ def test_exact_on_adapter_families(adapter_models, family, on_miss):
 @pytest.mark.parametrize("on_miss", MODES)
 def test_greedy_generation_matches_transformers(tiny_models, on_miss):
     folder = tiny_models["qwen3_moe"]
-    ref = reference_model(folder)
-    prompt = [5, 17, 99, 3, 200, 41]
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-    om = load_offloaded(folder, RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, on_miss=on_miss))
-    try:
-        got = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=10)))
-    finally:
-        om.close()
-    assert got == want
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, on_miss=on_miss)
+    assert offloaded_greedy(folder, cfg, GREEDY_PROMPT, 10) == reference_greedy(folder, GREEDY_PROMPT, 10)
 
 
 @pytest.mark.parametrize("execute", [ExecuteMode.SPECULATIVE])

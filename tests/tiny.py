@@ -113,6 +113,30 @@ def reference_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+GREEDY_PROMPT = [5, 17, 99, 3, 200, 41]
+
+
+def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (no EOS stop): the new token ids."""
+    with torch.no_grad():
+        out = reference_model(folder).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def offloaded_greedy(folder: Path, cfg, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """moespec's greedy continuation of ``prompt`` with RuntimeConfig ``cfg``: the new token ids."""
+    from moespec.config import SamplingConfig
+    from moespec.runtime.engine import Engine
+    from moespec.runtime.offload import load_offloaded
+
+    om = load_offloaded(folder, cfg)
+    try:
+        return list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=max_new_tokens)))
+    finally:
+        om.close()
+
+
 def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
     """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
 
