@@ -215,6 +215,31 @@ def check_matches(calib: Calibration, path: Path, config, layers: list[int], fin
                                "model's (same architecture, other weights: a fine-tune or another revision?)", hint)
 
 
+def load_checked(path: Path, config, layers: list[int], routers: list[torch.Tensor] | None,
+                 model_path: str | Path) -> Calibration:
+    """Load the calibration file at ``path`` and refuse it unless it was made for the running model.
+
+    The one check every reader of a calibration file runs (quasi predictor, seeded cache policies,
+    estimator training), so they cannot drift apart.
+
+    Args:
+        path: the calibration file (safetensors).
+        config: the running model's config.
+        layers: its MoE decoder-layer indices, in order.
+        routers: its router weights, [E, H] each in ``layers`` order (None: skip the fingerprint check).
+        model_path: the model's folder or name, as the hint's `moespec calibrate MODEL` names it.
+
+    Raises:
+        CalibrationError: unreadable file, or made for another model (check_matches).
+    """
+    from moespec.calibrate.locate import model_key
+
+    calib = load_calibration(path)
+    fingerprint = router_fingerprint(routers) if routers else None
+    check_matches(calib, path, config, list(layers), fingerprint, model_key(model_path))
+    return calib
+
+
 def finite_mean(values: torch.Tensor) -> float:
     """Mean of the finite entries of a [M] metric (NaN when there are none)."""
     vals = [float(v) for v in values.tolist() if not math.isnan(float(v))]

@@ -84,8 +84,8 @@ def find_model_calibration(om, explicit: str | None):
     Raises:
         CalibrationError: an explicit file is missing, or the file is corrupt or another model's.
     """
-    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
-    from moespec.calibrate.locate import find_calibration, model_key
+    from moespec.calibrate.file import load_checked
+    from moespec.calibrate.locate import find_calibration
     from moespec.errors import CalibrationError
 
     try:
@@ -94,11 +94,8 @@ def find_model_calibration(om, explicit: str | None):
         if explicit is not None:
             raise
         return None
-    calib = load_calibration(path)
     refs = layer_refs(om)
-    check_matches(calib, path, om.config, [r.layer for r in refs],
-                  router_fingerprint([r.block.gate.weight for r in refs]), model_key(om.path))
-    return calib
+    return load_checked(path, om.config, [r.layer for r in refs], [r.block.gate.weight for r in refs], om.path)
 
 
 def free_predictors(om, calib) -> dict[str, NextLayerPredictor]:

@@ -27,14 +27,12 @@ def _calibration_vectors(adapter: MoeAdapter, refs: list[LayerRef], cfg: Runtime
     Raises:
         CalibrationError: no file (names `moespec calibrate MODEL`), corrupt, or made for another model.
     """
-    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
-    from moespec.calibrate.locate import find_calibration, model_key
+    from moespec.calibrate.file import load_checked
+    from moespec.calibrate.locate import find_calibration
 
     path = find_calibration(model_path, cfg.calibration_path)
-    calib = load_calibration(path)
     layers = [r.layer for r in refs]
-    check_matches(calib, path, adapter.config, layers, router_fingerprint([r.block.gate.weight for r in refs]),
-                  model_key(model_path))
+    calib = load_checked(path, adapter.config, layers, [r.block.gate.weight for r in refs], model_path)
     device = refs[0].block.gate.weight.device if refs else "cpu"
     return {layer: calib.vectors[m].to(device) for m, layer in enumerate(layers)}  # [E, H] float32 each
 

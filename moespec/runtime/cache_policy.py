@@ -169,16 +169,15 @@ def load_seed(model_path: str | Path, explicit: str | None, top_k: int, config=N
         CalibrationError: no calibration file (names `moespec calibrate`), an unreadable one, or one made
             for another model (names `moespec calibrate MODEL` and ``--cache-policy lru``).
     """
-    from moespec.calibrate.file import check_matches, load_calibration, router_fingerprint
-    from moespec.calibrate.locate import model_key
+    from moespec.calibrate.file import load_calibration, load_checked
     from moespec.errors import CalibrationError
 
     path = find_policy_calibration(model_path, explicit)
-    calib = load_calibration(path)
-    if config is not None:
-        fingerprint = router_fingerprint(routers) if routers else None
+    if config is None:
+        calib = load_calibration(path)
+    else:
         try:
-            check_matches(calib, path, config, list(layers or []), fingerprint, model_key(model_path))
+            calib = load_checked(path, config, list(layers or []), routers, model_path)
         except CalibrationError as exc:
             raise CalibrationError(exc.message, f"{exc.hint}, or use --cache-policy lru") from None
     return seed_from_frequencies(list(calib.layers), calib.frequencies, top_k)
