@@ -52,7 +52,7 @@ class GuardPlan:
 
 
 def skipped_positions(ids: list[int], w: list[float], resident: set[int], threshold: float,
-                      rule: GuardRule = GuardRule.THRESHOLD) -> list[int]:
+                      rule: GuardRule = GuardRule.BUDGET) -> list[int]:
     """Top-k positions whose expert is skipped (host floats; both paths decide here).
 
     Args:
@@ -94,7 +94,7 @@ def signals_length(k: int, num_experts: int) -> int:
 
 
 def plan_guard(signals: list[float], k: int, resident: set[int], threshold: float,
-               rule: GuardRule = GuardRule.THRESHOLD, substitute: bool = True) -> GuardPlan:
+               rule: GuardRule = GuardRule.BUDGET, substitute: bool = True) -> GuardPlan:
     """Decide on the host from ``guard_signals`` read as a list (K = ``k``) and the resident experts."""
     ids = [int(v) for v in signals[:k]]
     w = signals[k : 2 * k]
@@ -134,7 +134,7 @@ class GuardResult:
 
 
 def guard_routing(routing: Routing, resident: set[int], threshold: float,
-                  rule: GuardRule = GuardRule.THRESHOLD, substitute: bool = True) -> GuardResult:
+                  rule: GuardRule = GuardRule.BUDGET, substitute: bool = True) -> GuardResult:
     """Apply the guard to a one-token routing (slow reference of guard_signals + plan_guard).
 
     Args:
