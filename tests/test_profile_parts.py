@@ -109,6 +109,7 @@ def test_threshold_list_parsing():
 
     assert threshold_list("0, 0.02,0.05,0.05") == (0.0, 0.02, 0.05)
     assert threshold_list(None) == (DEFAULT_FETCH_THRESHOLD,) and one_threshold("0.3") == 0.3
-    for bad in ("", "x", "-0.1", "nan"):
+    assert threshold_list(0.1) == (0.1,) and threshold_list(1) == (1.0,)  # a number is taken as it is
+    for bad in ("", "x", "-0.1", "nan", -0.1, float("nan")):
         with pytest.raises(OptionError, match="--fetch-threshold"):
             threshold_list(bad)

@@ -76,10 +76,10 @@ def threshold_list(text: str | float | None) -> tuple[float, ...]:
     """
     if text is None:
         return (DEFAULT_FETCH_THRESHOLD,)
-    if isinstance(text, (int, float)):
-        text = repr(float(text))
+    # A number (the Python API, config defaults) is one τ as it is; only text is parsed.
+    parts = [text] if isinstance(text, (int, float)) else [p.strip() for p in str(text).split(",")]
     values = []
-    for part in (p.strip() for p in str(text).split(",")):
+    for part in parts:
         try:
             tau = float(part)
         except ValueError:
