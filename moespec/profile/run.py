@@ -176,16 +176,13 @@ def measure_link(om, copies: int = 8) -> LinkMeasurement:
                            copies=n, bytes_per_copy=store.expert_bytes)
 
 
-def _kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(softmax(ref) || softmax(logits)) in nats; both [V]."""
-    p_log = torch.log_softmax(ref_logits.double(), dim=-1)
+def _vs_reference(ref_logits: torch.Tensor, logits: torch.Tensor, target: int) -> tuple[bool, float, float]:
+    """One decode step's logits [V] against the exact run's [V]: (same top-1, KL(ref || run) in nats,
+    -log p(target) in nats); one float64 log_softmax of each."""
+    p_log = torch.log_softmax(ref_logits.double().cpu(), dim=-1)
     q_log = torch.log_softmax(logits.double().cpu(), dim=-1)
-    return float((p_log.exp() * (p_log - q_log)).sum())
-
-
-def _nll(logits: torch.Tensor, target: int) -> float:
-    """-log softmax(logits)[target] in nats; logits [V]."""
-    return float(-torch.log_softmax(logits.double().cpu(), dim=-1)[target])
+    top1 = int(torch.argmax(q_log)) == int(torch.argmax(p_log))
+    return top1, float((p_log.exp() * (p_log - q_log)).sum()), float(-q_log[target])
 
 
 def _timeline(strategy: str, prompt_len: int, step: int, wall_ms: float, ref, spans, kept, copies) -> Timeline:
@@ -231,12 +228,11 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
         bounds = step_bounds(
             st.wall_ms, layer_ms, {layer: s.stall_ms for layer, s in st.layers.items()},
             {layer: s.misses + s.prefetch_used for layer, s in st.layers.items()}, expert_bytes, link_gbps)
-        ref_logits = trace.logits[i]
+        top1, kl, nll = _vs_reference(trace.logits[i], logits, trace.targets[i])
         steps.append(StepRecord(
             wall_ms=st.wall_ms, layers=st.layers, layer_ms=layer_ms,
             copy_busy_ms=(log.busy_seconds() - busy0) * 1e3, copy_bytes=log.bytes_moved - bytes0,
-            top1=int(torch.argmax(logits)) == int(torch.argmax(ref_logits)), kl=_kl(ref_logits, logits),
-            bounds=bounds, nll=_nll(logits, trace.targets[i])))
+            top1=top1, kl=kl, bounds=bounds, nll=nll))
         if rec.keep:
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
