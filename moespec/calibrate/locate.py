@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from moespec.errors import CalibrationError
 from moespec.paths import display_path, models_dir
@@ -44,13 +45,24 @@ def default_calibration_path(model_path: str | Path) -> Path:
     return calibration_path(model_key(model_path))
 
 
+def artifact_candidates(model_path: str | Path, path_for: Callable[[str], Path], beside: str) -> list[Path]:
+    """Where a per-model file (calibration, estimators) is looked for, in order, duplicates dropped:
+    ``path_for`` of the model's key (the default, first), of the key earlier versions used, and the
+    file named ``beside`` inside the model folder."""
+    paths = [path_for(model_key(model_path)), path_for(legacy_model_key(model_path)), Path(model_path) / beside]
+    return list(dict.fromkeys(paths))
+
+
+def first_existing(paths: list[Path]) -> Path | None:
+    """The first of ``paths`` that is a file, or None."""
+    return next((p for p in paths if p.is_file()), None)
+
+
 def calibration_candidates(model_path: str | Path) -> list[Path]:
     """Where a calibration file for the model is looked for, in order (the first is the default)."""
     from moespec.hub.artifacts import calibration_path
 
-    paths = [default_calibration_path(model_path), calibration_path(legacy_model_key(model_path)),
-             Path(model_path) / BESIDE_MODEL]
-    return list(dict.fromkeys(paths))
+    return artifact_candidates(model_path, calibration_path, BESIDE_MODEL)
 
 
 def find_calibration(model_path: str | Path, explicit: str | Path | None = None) -> Path:
@@ -70,9 +82,9 @@ def find_calibration(model_path: str | Path, explicit: str | Path | None = None)
                                    f"run `moespec calibrate {key} --out {display_path(path)}`, or drop --calibration")
         return path
     candidates = calibration_candidates(model_path)
-    for path in candidates:
-        if path.is_file():
-            return path
+    found = first_existing(candidates)
+    if found is not None:
+        return found
     raise CalibrationError(
         f"--predictor quasi needs a calibration file for {key}; none at {display_path(candidates[0])}",
         f"run `moespec calibrate {key}` first, or use --predictor router",

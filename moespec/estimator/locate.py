@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moespec.calibrate.locate import legacy_model_key, model_key
+from moespec.calibrate.locate import artifact_candidates, first_existing, model_key
 from moespec.errors import CalibrationError
 from moespec.paths import display_path
 
@@ -33,9 +33,7 @@ def estimator_candidates(model_path: str | Path) -> list[Path]:
     """Where an estimator file for the model is looked for, in order (the first is the default)."""
     from moespec.hub.artifacts import estimator_path
 
-    paths = [default_estimator_path(model_path), estimator_path(legacy_model_key(model_path)),
-             Path(model_path) / BESIDE_MODEL]
-    return list(dict.fromkeys(paths))
+    return artifact_candidates(model_path, estimator_path, BESIDE_MODEL)
 
 
 def find_estimator(model_path: str | Path, explicit: str | Path | None = None, flag: str = "--estimator") -> Path:
@@ -60,9 +58,9 @@ def find_estimator(model_path: str | Path, explicit: str | Path | None = None, f
                                    f"or drop {flag} to use the file found automatically")
         return path
     candidates = estimator_candidates(model_path)
-    for path in candidates:
-        if path.is_file():
-            return path
+    found = first_existing(candidates)
+    if found is not None:
+        return found
     raise CalibrationError(f"--predictor estimator/hybrid needs trained router estimators for {key}; "
                            f"none at {display_path(candidates[0])}",
                            f"run `moespec train-estimator {key}` first, or use --predictor quasi or router")
