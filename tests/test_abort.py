@@ -1,15 +1,14 @@
-"""runtime/abort: a generation stopped between tokens leaves no prefetch pin and no queued copy."""
+"""MoeLayerRunner.drop_prefetches: a generation stopped between tokens leaves no prefetch pin and no queued copy."""
 
 from __future__ import annotations
 
 from serve_harness import wait_until
 
 from moespec.config import Predictor, RuntimeConfig
-from moespec.runtime.abort import abort_pending
 from moespec.runtime.offload import load_offloaded
 
 
-def test_abort_pending_cancels_queued_prefetches_and_releases_pins(tiny_models):
+def test_drop_prefetches_cancels_queued_prefetches_and_releases_pins(tiny_models):
     # A very slow emulated link (6 KB experts at 2 kB/s): the first copy runs for 3 s, the
     # others stay queued behind it.
     om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(device="cpu", cache_experts=4,
@@ -24,11 +23,11 @@ def test_abort_pending_cancels_queued_prefetches_and_releases_pins(tiny_models):
         wait_until(lambda: cache._ticket[slots[0]].started, "the first copy running")
         before = engine.bytes_moved
         queued = slots[1:]
-        cancelled = abort_pending(runner)
+        cancelled = runner.drop_prefetches()
         assert cancelled == len(queued)
         assert engine.bytes_moved == before - cancelled * om.store.expert_bytes  # cancelled copies move nothing
         assert not any(cache._pins) and runner.prefetch_pins == {} and cache.evictable() == cache.num_slots
         assert all(not cache.resident((layer, e)) for e, s in enumerate(slots) if s in queued)
-        assert abort_pending(runner) == 0  # nothing left to abort
+        assert runner.drop_prefetches() == 0  # nothing left to abort
     finally:
         om.close()

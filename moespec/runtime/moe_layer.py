@@ -104,10 +104,35 @@ class MoeLayerRunner:
         the per-forward state, so the next forward starts as after a finished one.
         """
         self.cache.abort()
+        self._clear_forward_state()
+        self.routings.clear()
+
+    def drop_prefetches(self) -> int:
+        """After a generation stopped between tokens (client gone, stop string): drop the prefetches it
+        left behind, so the next request starts with every slot evictable and an idle link.
+
+        Queued copies are cancelled before they start (no bytes move); copies already running or
+        finished stay in their slots as ordinary cached experts, only their prefetch pins drop. Unlike
+        ``abort`` (a forward that raised) nothing else is touched. Safe when nothing is pending.
+
+        Returns:
+            the number of copies cancelled before they ran.
+        """
+        cancelled = 0
+        for slots in self.prefetch_pins.values():
+            for slot in slots:
+                if self.cache.cancel_prefetch(slot):
+                    cancelled += 1
+                else:
+                    self.cache.unused_prefetch(slot)
+                self.cache.release(slot)
+        self._clear_forward_state()
+        return cancelled
+
+    def _clear_forward_state(self) -> None:
         self.prefetch_pins.clear()
         self.predicted.clear()
         self.residual.clear()
-        self.routings.clear()
 
     # ------------------------------------------------------------------------------------
     def run(self, block, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from moespec.chat.detok import IncrementalDecoder
 from moespec.chat.open_model import OpenedModel
 from moespec.chat.session import ChatSession
 from moespec.config import SamplingConfig
-from moespec.runtime.abort import abort_pending
 from moespec.runtime.stats import StepStats
 from moespec.serve.errors import ApiError
 from moespec.serve.queue import Job
@@ -165,7 +164,7 @@ class ModelBackend:
         finally:
             tokens.close()
             job.tokens_at_stop = job.tokens
-            abort_pending(om.runner)
+            om.runner.drop_prefetches()
         if finish != FinishReason.CANCELLED and not matched:
             with self._tok_lock:
                 tail = decoder.flush()
