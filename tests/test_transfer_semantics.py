@@ -212,3 +212,21 @@ def test_pump_thread_releases_prefetches_without_host_calls():
     assert all(t.started for t in tickets)
     eng.close()
     assert all(torch.equal(dst[s], src + s) for s in range(6))
+
+
+def test_link_busy_time_counts_overlapping_copies_once():
+    """busy_ms is the union of copy spans: two streams copying at once are one busy link, not two."""
+    from fake_cuda import FakeEvent
+
+    from moespec.runtime.transfer_cuda import busy_ms
+
+    def ev(t):
+        e = FakeEvent(timing=True)
+        e.t = t
+        return e
+
+    elapsed = FakeCudaBackend().elapsed_ms
+    # demand [2, 4] overlaps prefetch [1, 3]; [6, 7] stands alone; the first span need not be the earliest
+    spans = [(ev(2.0), ev(4.0)), (ev(1.0), ev(3.0)), (ev(6.0), ev(7.0)), (ev(6.5), ev(6.75))]
+    assert busy_ms(spans, elapsed) == 4.0  # the old sum of spans gave 5.25
+    assert busy_ms([], elapsed) == 0.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -101,6 +102,28 @@ class _Job:
     src: torch.Tensor
     ticket: Ticket
     free: object  # the slot's free event to wait for (None: never read), captured at submit
+
+
+def busy_ms(spans: list[tuple[object, object]], elapsed_ms: Callable[[object, object], float]) -> float:
+    """Milliseconds covered by the union of copy spans (start, end events), on any streams.
+
+    The demand and prefetch streams can copy at the same time; summing their spans would count the
+    shared time twice and understate the link's GB/s. Each span is placed on one time axis by its
+    offset from the first span's start (``elapsed_ms`` of two events; CUDA's may be negative when
+    the second event came first), then overlapping spans are merged.
+    """
+    if not spans:
+        return 0.0
+    ref = spans[0][0]
+    intervals = sorted((elapsed_ms(ref, a), elapsed_ms(ref, b)) for a, b in spans)
+    total, run_start, run_end = 0.0, intervals[0][0], intervals[0][1]
+    for a, b in intervals[1:]:
+        if a > run_end:
+            total += run_end - run_start
+            run_start, run_end = a, b
+        else:
+            run_end = max(run_end, b)
+    return total + run_end - run_start
 
 
 class CudaTransferEngine(TransferEngine):
@@ -305,12 +328,12 @@ class CudaTransferEngine(TransferEngine):
             self._release(retire=self._thread is None)
             if self._thread is not None:
                 self._cv.notify()  # the pump retires the (now finished) released copies
-            for start, end in self._spans:
-                self._busy_s += self.backend.elapsed_ms(start, end) / 1e3
+            self._busy_s += busy_ms(self._spans, self.backend.elapsed_ms) / 1e3
             self._spans.clear()
 
     def busy_seconds(self) -> float:
-        """Seconds copies ran, summed over both streams (overlapping copies count twice); timed copies only."""
+        """Seconds the link was busy: the union of the timed copies' spans on both streams (copies that
+        overlap count once, so bytes / busy_seconds is the link's GB/s); timed copies only."""
         return self._busy_s
 
     def close(self) -> None:
