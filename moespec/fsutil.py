@@ -65,3 +65,45 @@ def save_safetensors_atomic(path: Path, tensors: dict, meta: dict, meta_key: str
         except OSError as exc:
             raise OutputError(f"cannot write {path}: {exc.strerror or exc}", "choose a writable --out path") from exc
     return path
+
+
+def load_safetensors_with_meta(path: Path, kind: str, fmt: str, max_version: int, meta_key: str, *,
+                               name: str, missing: tuple[str, str], redo: str, again: str) -> tuple[dict, dict]:
+    """Read a moespec safetensors file written by ``save_safetensors_atomic``: its JSON metadata and tensors.
+
+    Checks the file exists, parses, carries ``fmt`` and a format version this moespec reads.
+
+    Args:
+        path: the file. kind: what it is in messages ("calibration", "estimator").
+        fmt, max_version, meta_key: the expected ``format``, the newest ``format_version`` read, the key
+            whose metadata value is the JSON.
+        name: how messages name the file; missing: (message, hint) when it does not exist;
+        redo: hint to write it again; again: the action that makes a current file ("calibrate again").
+
+    Returns:
+        (metadata dict, name -> tensor) on CPU.
+
+    Raises:
+        CalibrationError: missing, unreadable, another format, or a newer format version.
+    """
+    import json
+
+    from safetensors import SafetensorError, safe_open
+
+    from moespec.errors import CalibrationError
+
+    if not path.is_file():
+        raise CalibrationError(*missing)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})[meta_key])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        raise CalibrationError(f"{name} is not a readable moespec {kind} file ({exc})", redo) from exc
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found != fmt:
+        raise CalibrationError(f"{name} is not a moespec {kind} file (format {found!r})", redo)
+    if int(meta.get("format_version", 0)) > max_version:
+        raise CalibrationError(f"{name} has format version {meta['format_version']}; this moespec reads up to "
+                               f"{max_version}", f"upgrade moespec or {again}")
+    return meta, tensors

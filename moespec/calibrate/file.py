@@ -152,24 +152,14 @@ def load_calibration(path: str | Path) -> Calibration:
     Raises:
         CalibrationError: missing, unreadable, corrupt, not a calibration file, or a newer format.
     """
-    from safetensors import SafetensorError, safe_open
+    from moespec.fsutil import load_safetensors_with_meta
 
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CalibrationError(f"calibration file {path} does not exist", "run `moespec calibrate MODEL` to make one")
     redo = f"run `moespec calibrate MODEL --out {path}` to write it again"
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})[META_KEY])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise CalibrationError(f"{path} is not a readable moespec calibration file ({exc})", redo) from exc
-    fmt = meta.get("format") if isinstance(meta, dict) else None
-    if fmt != FORMAT:
-        raise CalibrationError(f"{path} is not a moespec calibration file (format {fmt!r})", redo)
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CalibrationError(f"{path} has format version {meta['format_version']}; this moespec reads up to "
-                               f"{FORMAT_VERSION}", "upgrade moespec or calibrate again")
+    meta, tensors = load_safetensors_with_meta(
+        path, "calibration", FORMAT, FORMAT_VERSION, META_KEY, name=str(path),
+        missing=(f"calibration file {path} does not exist", "run `moespec calibrate MODEL` to make one"),
+        redo=redo, again="calibrate again")
     try:
         variants = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("default_vectors/")}
         variants[meta["variant"]] = tensors["default_vectors"]

@@ -18,7 +18,6 @@ link of the choice, training tokens, held-out tokens, training settings, data de
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,25 +103,15 @@ def load_estimator(path: str | Path, flag: str | None = None) -> EstimatorFile:
     Raises:
         CalibrationError: missing, unreadable, corrupt, not an estimator file, or a newer format.
     """
-    from safetensors import SafetensorError, safe_open
+    from moespec.fsutil import load_safetensors_with_meta
 
     path = Path(path).expanduser()
     name = describe(path, flag)
     redo = f"run `moespec train-estimator MODEL --out {path}` to write it again"
-    if not path.is_file():
-        raise CalibrationError(f"{name} does not exist", "run `moespec train-estimator MODEL` to make one")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})[META_KEY])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise CalibrationError(f"{name} is not a readable moespec estimator file ({exc})", redo) from exc
-    fmt = meta.get("format") if isinstance(meta, dict) else None
-    if fmt != FORMAT:
-        raise CalibrationError(f"{name} is not a moespec estimator file (format {fmt!r})", redo)
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
-        raise CalibrationError(f"{name} has format version {meta['format_version']}; this moespec reads up to "
-                               f"{FORMAT_VERSION}", "upgrade moespec or train the estimators again")
+    meta, tensors = load_safetensors_with_meta(
+        path, "estimator", FORMAT, FORMAT_VERSION, META_KEY, name=name,
+        missing=(f"{name} does not exist", "run `moespec train-estimator MODEL` to make one"),
+        redo=redo, again="train the estimators again")
     try:
         bank = EstimatorBank(EstimatorShape(**meta["shape"]), [int(x) for x in tensors["layers"].tolist()])
         bank.load_state_dict({k[len("bank/"):]: v for k, v in tensors.items() if k.startswith("bank/")})
