@@ -3,8 +3,8 @@
 Teacher-forces held-out text token by token through the default model (every expert resident, so
 the routing is the model's own), records the routing of each decode step, then replays it through
 the runtime's ExpertCache (cache_replay.py) for each policy and cache size: on-demand, with the
-router predictor's predictions and with the oracle's (the true routing); prefetch area, promotion
-on use. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
+router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
+rule. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
 line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
 calibration seed per decode step, JSON) and ``--trace FILE`` replays a saved one without running
 the model. Usage:

@@ -1,4 +1,4 @@
-"""Cache policies and the prefetch area, one rule per test on scripted routing traces.
+"""Cache policies and the prefetch rule, one rule per test on scripted routing traces.
 
 Traces are replayed through the real ExpertCache (cache_replay.py): known hits, evictions and
 copies (x expert bytes = H2D bytes). Then, on tiny models: exact mode stays exact under every

@@ -92,7 +92,7 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
         rule: makes the eviction rule (None = LRU).
         predictions: per step, layer -> predicted ids for that layer, prefetched while the layer
             before it runs (None = on-demand).
-        prefetch_slots: the cache's prefetch area (None: the cache's default).
+        prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), NullEngine(), rule, prefetch_slots)
     out = ReplayResult()
