@@ -2,11 +2,14 @@
 
 Teacher-forces held-out text token by token through the default model (every expert resident, so
 the routing is the model's own), records the routing of each decode step, then replays it through
-the runtime's ExpertCache (cache_replay.py) for each policy and cache size; on-demand and with
-the router predictor's predictions (prefetch area, promotion on use). Prints a table and one JSON
-line. Usage:
+the runtime's ExpertCache (cache_replay.py) for each policy and cache size: on-demand, with the
+router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
+rule. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
+line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
+calibration seed per decode step, JSON) and ``--trace FILE`` replays a saved one without running
+the model. Usage:
 
-  PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128]
+  PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
 """
 
 from __future__ import annotations
@@ -14,31 +17,28 @@ from __future__ import annotations
 import argparse
 import json
 from functools import partial
+from pathlib import Path
 
 import torch
 
 
-def main() -> None:
+def record(tokens: int, prompt: int) -> dict:
+    """Run the default model over held-out text; the trace as a JSON-ready dict."""
     from transformers import AutoTokenizer
 
     from moespec.config import CachePolicy, Predictor, RuntimeConfig
     from moespec.default_model import ensure_default_model
     from moespec.profile.trace import load_text
-    from moespec.runtime.cache_policy import load_seed, make_rule
-    from moespec.runtime.cache_replay import replay
+    from moespec.runtime.cache_policy import load_seed
     from moespec.runtime.engine import Engine
     from moespec.runtime.offload import load_offloaded
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--prompt", type=int, default=128)
-    args = ap.parse_args()
     torch.set_num_threads(1)
     path = ensure_default_model(None)
     om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU))
     tok = AutoTokenizer.from_pretrained(path)
     text, _ = load_text(None)
-    ids = tok(text)["input_ids"][: args.prompt + args.tokens]
+    ids = tok(text)["input_ids"][: prompt + tokens]
     engine = Engine(om)
     om.runner.record_routing = True
     trace, preds = [], []
@@ -51,8 +51,8 @@ def main() -> None:
 
     om.runner._prefetch_next = spy
     with torch.inference_mode():
-        engine.forward(ids[: args.prompt], "prefill")
-        for t in ids[args.prompt:]:
+        engine.forward(ids[:prompt], "prefill")
+        for t in ids[prompt:]:
             current: dict[int, list[int]] = {}
             engine.forward([t], "decode")
             trace.append({layer: r.ids[0].tolist() for layer, r in sorted(om.runner.routings.items())})
@@ -61,11 +61,36 @@ def main() -> None:
     total = len(om.store.moe_layers) * om.store.num_experts
     seed = load_seed(path, None, k)
     om.close()
+    return {"top_k": k, "experts": total, "trace": trace, "router": preds,
+            "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
+
+
+def _steps(raw: list) -> list[dict[int, list[int]]]:
+    return [{int(layer): ids for layer, ids in step.items()} for step in raw]
+
+
+def main() -> None:
+    from moespec.config import CachePolicy
+    from moespec.runtime.cache_policy import make_rule
+    from moespec.runtime.cache_replay import replay
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--save", type=Path, help="write the recorded trace here (JSON)")
+    ap.add_argument("--trace", type=Path, help="replay this saved trace instead of running the model")
+    args = ap.parse_args()
+    data = json.loads(args.trace.read_text()) if args.trace else record(args.tokens, args.prompt)
+    if args.save:
+        args.save.write_text(json.dumps(data))
+    trace, k, total = _steps(data["trace"]), data["top_k"], data["experts"]
+    seed = {(layer, e): p for layer, e, p in data["seed"]}
+    modes = (("on-demand", None), ("router", _steps(data["router"])), ("oracle", trace))
     rows = {}
     print(f"{len(trace)} held-out tokens, {total} experts, top-{k}")
     print(f"{'policy':>7} {'mode':>9} " + " ".join(f"{f:>6.1%}" for f in (0.125, 0.25, 0.5)) + "  copies/token @25%")
     for policy in CachePolicy:
-        for mode, p in (("on-demand", None), ("router", preds)):
+        for mode, p in modes:
             rates = []
             for frac in (0.125, 0.25, 0.5):
                 slots = int(total * frac)

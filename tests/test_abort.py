@@ -16,7 +16,7 @@ def test_drop_prefetches_cancels_queued_prefetches_and_releases_pins(tiny_models
     try:
         runner, cache, engine = om.runner, om.cache, om.cache.engine
         layer = om.store.moe_layers[1]
-        n = cache.prefetch_slots  # a prefetch copies only into the prefetch area (K slots)
+        n = cache.prefetch_slots  # at most K unused prefetch copies are pinned at once
         assert n >= 2
         slots = [cache.prefetch((layer, e))[0] for e in range(n)]
         runner.prefetch_pins[layer] = slots

@@ -7,6 +7,7 @@ import torch
 
 from moespec.models.base import ExpertLayout
 from moespec.runtime.cache import ExpertCache
+from moespec.runtime.cache_replay import NullEngine, _NullStore
 from moespec.runtime.store import ExpertStore
 from moespec.runtime.transfer import ThreadTransferEngine
 
@@ -61,6 +62,36 @@ def test_prefetch_pin_protects_until_released_and_counts_first_use():
     assert not cache.acquire((1, 5)).prefetched  # only the first use counts as a prefetch hit
     assert cache.copies == 1
     engine.close()
+
+
+class _QueuedEngine(NullEngine):
+    """Copies that stay queued until cancelled (cancel always succeeds): the cache's side of a cancel."""
+
+    def cancel(self, ticket) -> bool:
+        return True
+
+
+def test_cancelled_prefetch_gives_the_slot_back_to_what_it_displaced():
+    cache = ExpertCache(_NullStore(1), 2, torch.device("cpu"), _QueuedEngine(), prefetch_slots=1)
+    a, b = cache.acquire((0, 0)).slot, cache.acquire((0, 1)).slot
+    cache.release(a)
+    cache.release(b)  # (0, 0) is the LRU victim
+    slot, copied = cache.prefetch((1, 5))
+    assert copied and slot == a and not cache.resident((0, 0))
+    assert cache.cancel_prefetch(slot) and cache.copies == 2  # never started: its bytes never moved
+    assert cache.key_of(slot) == (0, 0) and cache.resident((0, 0)) and not cache.resident((1, 5))
+    cache.release(slot)
+    assert cache.acquire((0, 0)).hit  # the slot's bytes were never written: still (0, 0)'s expert
+
+
+def test_cancelled_prefetch_leaves_the_slot_empty_when_its_expert_came_back_elsewhere():
+    cache = ExpertCache(_NullStore(1), 3, torch.device("cpu"), _QueuedEngine(), prefetch_slots=1)
+    for e in range(3):
+        cache.release(cache.acquire((0, e)).slot)
+    slot, _ = cache.prefetch((1, 5))  # displaces (0, 0)
+    again = cache.acquire((0, 0))  # a demand miss brings it back into another slot
+    assert not again.hit and again.slot != slot
+    assert cache.cancel_prefetch(slot) and cache.key_of(slot) is None
 
 
 def test_reference_moe_matches_cached_compute():

@@ -1,4 +1,4 @@
-"""Cache policies and the prefetch area, one rule per test on scripted routing traces.
+"""Cache policies and the prefetch rule, one rule per test on scripted routing traces.
 
 Traces are replayed through the real ExpertCache (cache_replay.py): known hits, evictions and
 copies (x expert bytes = H2D bytes). Then, on tiny models: exact mode stays exact under every
@@ -85,25 +85,39 @@ def test_prefetch_of_a_resident_expert_costs_nothing():
     assert res.copies == 2 and res.prefetch_copies == 1 and res.hits == {0: 1, 1: 2}
 
 
-def test_wrong_prediction_evicts_nothing_from_the_cache_area():
-    # 2 layers, 3 slots: on-demand keeps a and b; a wrong prediction (c) takes the prefetch slot only
+def test_wrong_prediction_is_copied_once_and_reused_first():
+    # 2 layers, 3 slots: on-demand keeps a and b; the wrong prediction c takes the free slot once,
+    # then its next prediction finds it resident (no copy)
     trace = [{0: [A], 1: [B]}] * 3
     wrong = [{1: [C]}] * 3
     ondemand = replay(trace, 3, prefetch_slots=1)
     pred = replay(trace, 3, predictions=wrong, prefetch_slots=1)
     assert ondemand.copies == 2 and ondemand.hits == {0: 2, 1: 2}
     assert pred.hits == {0: 2, 1: 2}  # a and b survive every wrong prefetch
-    assert pred.copies == 2 + 1 and pred.wasted == 1  # c is copied once, then found in the prefetch area
+    assert pred.copies == 2 + 1 and pred.wasted == 1
 
 
-def test_used_prediction_is_promoted_and_evicts_what_a_miss_would():
-    # layer 1 alternates b / c with one cache slot for it; predictions are right
-    trace = [{0: [A], 1: [B]}, {0: [A], 1: [C]}, {0: [A], 1: [B]}]
-    right = [{1: [B]}, {1: [C]}, {1: [B]}]
-    pred = replay(trace, 3, predictions=right, prefetch_slots=1)
-    ondemand = replay(trace, 2, prefetch_slots=0)  # the cache area of the run above
-    assert pred.hits[1] == 3 and pred.wasted == 0  # every layer-1 expert was there when needed
-    assert pred.copies <= ondemand.copies  # no more bytes than on-demand with the cache area's size
+def test_unused_prediction_is_the_next_copy_s_slot():
+    # 2 layers, 2 slots, LRU. Step 1: a (layer 0), the wrong prediction c for layer 1 takes the
+    # second slot, then b misses: it takes c's slot (an unused prediction goes first), not a's.
+    trace = [{0: [A], 1: [B]}, {0: [A], 1: [B]}]
+    res = replay(trace, 2, predictions=[{1: [C]}, {}], prefetch_slots=1)
+    assert res.copies == 3 and res.wasted == 1 and res.hits == {0: 1, 1: 1}  # a and b hit in step 2
+
+
+def test_right_predictions_move_on_demand_s_bytes_at_the_lru_cliff():
+    """3 layers, top-1, 3 slots (one token's experts: LRU's cliff), right predictions. The earlier
+    rule (a prefetch area of K slots out of the cache, promotion on use) copied 8 experts here; a
+    prefetch that takes the slot its miss would take copies what on-demand copies: 6."""
+    trace = [{0: [C], 1: [A], 2: [A]}, {0: [A], 1: [A], 2: [A]}, {0: [C], 1: [A], 2: [B]}]
+    rule = _rule(CachePolicy.LRU, None, 3)
+    ondemand = replay(trace, 3, rule, prefetch_slots=1)
+    # on-demand: step 1 three misses; step 2 (0, a) evicts (0, c); step 3 (0, c) evicts (0, a),
+    # (2, b) evicts (2, a)
+    assert ondemand.copies == 6 and ondemand.hits == {1: 2, 2: 1}
+    pred = replay(trace, 3, rule, predictions=trace, prefetch_slots=1)
+    assert pred.copies == 6 and pred.prefetch_copies == 3 and pred.wasted == 0
+    assert pred.hits == {1: 3, 2: 3} and pred.misses == {0: 3}  # layer 0 has no predictor
 
 
 @pytest.mark.parametrize("policy", list(CachePolicy))
@@ -186,16 +200,17 @@ def test_prefetch_never_takes_a_pinned_or_in_flight_slot(tiny_models):
     om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(cache_experts=6, predictor=Predictor.ROUTER,
                                                                 link_gbps=0.0005))
     cache = om.cache
-    seen = {"prefetch": 0, "in_flight_free": 0}
+    seen = {"prefetch": 0, "displaced": 0}
     copy_into = cache._copy_into
 
     def checked(slot, key, prefetch):
         if prefetch:
             seen["prefetch"] += 1
+            seen["displaced"] += cache.key_of(slot) is not None
             assert not cache.pinned(slot), f"prefetch took pinned slot {slot}"
             assert not cache.in_flight(slot), f"prefetch took slot {slot} while a copy was writing it"
-            assert cache.in_prefetch_area(slot)
-        seen["in_flight_free"] += sum(cache.in_flight(s) for s in cache._pf_free)
+            held = sum(cache.pinned(s) and cache.unused_prediction(s) for s in range(cache.num_slots))
+            assert held < cache.prefetch_slots, "more unused prefetch copies pinned than K"
         return copy_into(slot, key, prefetch)
 
     cache._copy_into = checked
@@ -203,7 +218,7 @@ def test_prefetch_never_takes_a_pinned_or_in_flight_slot(tiny_models):
         list(Engine(om).generate([3, 14, 15, 92, 65, 35], SamplingConfig(max_new_tokens=8)))
     finally:
         om.close()
-    assert seen["prefetch"] > 0
+    assert seen["prefetch"] > 0 and seen["displaced"] > 0  # prefetches did evict, never a pinned slot
 
 
 def test_landed_is_false_while_a_copy_can_still_write_its_slot():

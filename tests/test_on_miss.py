@@ -65,8 +65,8 @@ def test_approximate_modes_run_the_same_experts(tiny_models, execute):
     """Speculative: which experts run is decided before the miss path, so host equals fetch.
 
     Guarded is not compared: its choice depends on what is resident, and a host-computed miss never
-    enters the cache (with the prefetch area of runtime/cache.py the resident sets of fetch and host
-    runs differ after the first miss), so the two runs may substitute different experts.
+    enters the cache (the resident sets of fetch and host runs differ after the first miss), so the
+    two runs may substitute different experts.
     """
     folder = tiny_models["mixtral"]
     prompt = [5, 17, 99, 3, 200, 41]

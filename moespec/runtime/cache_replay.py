@@ -6,8 +6,8 @@ The cache, its areas and its eviction rule are the runtime's own (cache.py); onl
 the transfer engine are stand-ins (a 1-element row per expert, copies that land at once), so a
 replay costs microseconds per expert and gives exactly the hits, misses and copies the runtime's
 cache would see for the same sequence of uses. The order inside a step follows moe_layer.py:
-unused prefetch pins of layer l are released, l's experts are acquired (all pinned), l+1's
-prediction is prefetched, then l's experts are released.
+unused prefetch pins of layer l are released, l's experts are acquired (resident ones first, all
+pinned), l+1's prediction is prefetched (resident ones first), then l's experts are released.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
         rule: makes the eviction rule (None = LRU).
         predictions: per step, layer -> predicted ids for that layer, prefetched while the layer
             before it runs (None = on-demand).
-        prefetch_slots: the cache's prefetch area (None: the cache's default).
+        prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), NullEngine(), rule, prefetch_slots)
     out = ReplayResult()
@@ -110,7 +110,8 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
                 out.wasted += cache.unused_prefetch(slot)
                 cache.release(slot)
             held = []
-            for e in ids:
+            resident = set(cache.resident_experts(layer))
+            for e in [e for e in ids if e in resident] + [e for e in ids if e not in resident]:
                 got = cache.acquire((layer, e))
                 if got is None:
                     raise ValueError(f"replay: {num_slots} slots cannot hold layer {layer}'s experts")
@@ -124,7 +125,9 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
             if predictions is not None and i + 1 < len(layers):
                 nxt = layers[i + 1]
                 got_pins = []
-                for e in sorted(set(predictions[s].get(nxt, []))):
+                want = sorted(set(predictions[s].get(nxt, [])))
+                resident = set(cache.resident_experts(nxt))
+                for e in [e for e in want if e in resident] + [e for e in want if e not in resident]:
                     got = cache.prefetch((nxt, e))
                     if got is None:
                         break

@@ -10,7 +10,8 @@ Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert c
      guarded mode then decides on the host which experts run (guard.py);
   4. prefetch pins of l that the routing does not use are released (counted as wasted);
   5. l's experts are acquired: hits pinned, misses copied on demand (as many as slots allow);
-  6. l+1's predicted experts are prefetched (after l's demand copies, which go first);
+  6. l+1's predicted experts are prefetched (after l's demand copies, which go first); resident
+     ones are pinned first, then the others copied (cache.py's prefetch rule);
   7. l's experts run in the order their copies land; each slot is released after use and the
      freed slot takes the next missing expert (so a prefill touching every expert streams the
      whole layer through a small cache in one pass). Misses that ``--on-miss host|auto`` sends to
@@ -276,7 +277,10 @@ class MoeLayerRunner:
             # predictions first); the rest is computed on the host there. Resident ones cost no copy.
             budget = self.host.prefetch_budget(self.cache.copies_in_flight())
             wanted = list(dict.fromkeys(pred.host_ids))
-            resident = self.cache.resident_experts(target)
+        resident = set(self.cache.resident_experts(target))
+        # Resident predictions are pinned first, so no copy of this prediction evicts one of them
+        # (as a layer pins its hits before its misses; cache.py's rule).
+        wanted = [e for e in wanted if e in resident] + [e for e in wanted if e not in resident]
         for e in wanted:
             if budget is not None and e not in resident:
                 if budget == 0:
