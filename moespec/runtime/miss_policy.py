@@ -266,8 +266,8 @@ class MissPlanner:
             mode: FETCH (none on the host), HOST (every miss; in-flight prefetches still run on the
                 device), AUTO (per miss and per in-flight prefetch, see the module docstring).
             resident: (expert, t) resident and landed: computed on the device; where the device is the
-                host's own processor (``costs.shared``, AUTO), each goes where it finishes first, as a
-                miss does, but with no copy (the main thread and the pool share the cores).
+                host's own processor (``costs.shared``, AUTO), the last ones move to the pool while that
+                shortens the layer (the main thread and the pool share the cores; no copy either way).
             in_flight: (expert, t) resident but whose copy may not have landed (a prefetch).
             misses: (expert, t) not resident, in the order they would be fetched.
             queued: copies already on the link ahead of this layer's misses.
@@ -291,16 +291,10 @@ class MissPlanner:
             return got
 
         dev = 0.0
+        for _, t in resident:
+            dev += cost(t)[0]
         workers = [0.0] * self.pool.threads
         host: set[int] = set()
-        for e, t in resident:
-            dev_ms, host_ms = cost(t)
-            w = 0 if len(workers) == 1 else min(range(len(workers)), key=workers.__getitem__)
-            if c.shared and workers[w] + host_ms < dev + dev_ms:
-                host.add(e)
-                workers[w] += host_ms
-            else:
-                dev += dev_ms
         ages = ages_ms or {}
         # In-flight prefetches, oldest first: the link finishes each copy_ms after the later of the
         # previous one's end and its own issue (-age ms from now). Then the misses, whose demand
@@ -324,6 +318,17 @@ class MissPlanner:
                 if not prefetched:
                     link += c.copy_ms
                 dev = fetch_done
+        if c.shared:
+            # Same cores: a landed expert needs no copy, so it may as well run on the pool. Move them
+            # (last first) while that shortens the layer, max(device, host), by the observed costs.
+            for e, t in reversed(resident):
+                dev_ms, host_ms = cost(t)
+                w = min(range(len(workers)), key=workers.__getitem__)
+                if max(dev - dev_ms, workers[w] + host_ms) >= max(dev, max(workers)):
+                    break
+                host.add(e)
+                workers[w] += host_ms
+                dev -= dev_ms
         return MissPlan(frozenset(host), dev, max(workers))
 
     def observe(self, result: HostResult) -> None:
