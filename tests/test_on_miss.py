@@ -211,7 +211,7 @@ def test_idle_link_admits_one_prefetch_that_outlasts_a_layer():
 
 def test_prediction_runs_only_where_it_pays():
     # Default model on CPU: ~0.8 used prefetches per layer x 0.25 ms of host work they may save, against
-    # 0.4 ms of prediction and prefetch bookkeeping: skipped, but one layer in 32 still predicts (probe).
+    # 0.4 ms of prediction and prefetch bookkeeping: skipped, but one layer in 64 still predicts (probe).
     p = _planner(copy_ms=2.6, host_1=0.25, host_16=0.3, dev_1=0.25, dev_16=0.3)
     assert p.prefetch_pays()  # nothing measured yet: predict (and measure)
     p.observe_predict(0.4)
@@ -219,8 +219,8 @@ def test_prediction_runs_only_where_it_pays():
     p.observe_used(1)
     p.observe_used(0)  # running average: 1 + 0.2 * (0 - 1)
     assert p.used_per_layer == pytest.approx(0.8)
-    decisions = [p.prefetch_pays() for _ in range(64)]
-    assert decisions.count(True) == 2 and decisions[31] and decisions[63]
+    decisions = [p.prefetch_pays() for _ in range(128)]
+    assert decisions.count(True) == 2 and decisions[63] and decisions[127]
     # A 30B expert computed on the CPU (2 ms) beside a GPU predictor (0.1 ms): every layer predicts.
     gpu = _planner(copy_ms=2.0, host_1=2.0, host_16=6.0, dev_1=0.05, dev_16=0.06)
     gpu.observe_predict(0.1)

@@ -32,7 +32,7 @@ prefetch): :meth:`MissPlanner.prefetch_pays`. A used prefetch saves at most one 
 (its expert runs on the device beside the pool instead of on the pool); predicting costs the
 measured main-thread ms of the prediction and its prefetch bookkeeping. Both are running averages
 (used prefetches per predicted layer, overhead ms per predicted layer); the layer predicts while
-used x host_ms(1) >= overhead, else skips prediction and re-measures one layer in _PROBE_EVERY.
+used x host_ms(1) >= overhead, else skips prediction and re-measures one layer in _PROBE_EVERY (64).
 Measured on the default model on CPU (0.25 GB/s, 8 slots): ~0.8 used per layer x ~0.2-0.3 ms
 against ~0.4 ms of prediction and bookkeeping, so it does not pay there; an offloaded 30B
 expert computed on the CPU (ms) beside a GPU predictor (~0.1 ms) does.
@@ -57,8 +57,8 @@ _AVERAGE = 0.2  # weight of a new observation in the running average of host ms
 # send the next misses to the link, since the same preemption hits a fetch and the device alike.
 _STEP_CLAMP = 4.0
 # While prediction does not pay, one decode layer in this many still predicts, so the measured
-# overhead and usefulness follow a changed load or link (about once per token on the default model).
-_PROBE_EVERY = 32
+# overhead and usefulness follow a changed load or link (about every other token on the default model).
+_PROBE_EVERY = 64
 
 
 @dataclass
