@@ -231,6 +231,33 @@ def test_prediction_runs_only_where_it_pays():
     assert gpu.predict_ms == pytest.approx(0.16)
 
 
+@pytest.mark.parametrize("pays", [False, True])
+def test_auto_skips_the_predictor_where_it_does_not_pay(tiny_models, pays):
+    """Scripted averages: prediction costs 100 ms per layer and saves nothing -> no prediction, no
+    prefetch copy, no recall counted (the first probe comes after 64 layers); free and useful -> every
+    decode layer predicts. Greedy tokens equal transformers either way."""
+    folder = tiny_models["qwen3_moe"]
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, on_miss=OnMiss.AUTO)
+    rec = StatsRecorder()
+    om = load_offloaded(folder, cfg, rec)
+    try:
+        om.runner.host.predict_ms, om.runner.host.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
+        om.runner.host.observe_predict = lambda ms: None  # keep the scripted averages
+        om.runner.host.observe_used = lambda used: None
+        toks = list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
+    finally:
+        om.close()
+    assert toks == reference_greedy(folder, GREEDY_PROMPT, 6)
+    decode = [s.total() for s in rec.steps if s.kind == "decode"]
+    assert len(decode) * len(om.store.moe_layers) < 64  # no probe layer in this run
+    recall_total = sum(t.recall_total for t in decode)
+    prefetched = sum(t.prefetched + t.prefetch_cancelled for t in decode)
+    if pays:
+        assert recall_total == (len(om.store.moe_layers) - 1) * len(decode) * om.adapter.top_k()
+    else:
+        assert recall_total == 0 and prefetched == 0
+
+
 def test_shared_processor_sends_landed_experts_where_they_finish_first():
     # CPU: host and device are the same cores. Benchmarked alike (0.3 ms), the two landed experts run on
     # the main thread (0.6 ms) beside the pool's two misses (0.6 ms): moving one would take 0.9 ms.
