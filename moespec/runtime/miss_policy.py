@@ -116,7 +116,6 @@ class Costs:
             step = min(max(ms / want / self.host_scale, 1 / _STEP_CLAMP), _STEP_CLAMP)
             self.host_scale *= step**_AVERAGE
 
-
     def observe_device(self, tokens: int, ms: float) -> None:
         """Shared processor: fold one expert computed on the device (main thread, synchronous on CPU)
         into device_scale, as observe_host does for the pool (clamped steps)."""
