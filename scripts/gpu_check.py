@@ -307,9 +307,14 @@ def report(args) -> int:
             "checkpoint_in_ram": args.work.startswith("/dev/shm"),
             "note": "peak host memory ~ checkpoint (when in /dev/shm) + the largest process' RSS "
                     "(the profile process is about the syncs process: same model, same store)"}
+    # Issue 17: router prefetch + auto against auto alone (TPOT means, same prompt length): on CPU the
+    # prediction costs more than the host work it saves; a GPU predicts for ~nothing beside the pool.
+    tpot = {(s["strategy"], s["prompt_len"]): s["tpot_ms"]["mean"] for s in strategies}
+    router_vs_auto = {str(plen): ms / tpot[("none+auto", plen)] for (name, plen), ms in tpot.items()
+                      if name == "router+auto" and tpot.get(("none+auto", plen))}
     rep = {"schema": 1, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "smoke": args.smoke, **pieces,
            "profile_file": args.profile_name if prof else None, "strategies": strategies, "peak_host_memory": peak,
-           "step_seconds": args.step_seconds}
+           "router_auto_vs_none_auto": router_vs_auto, "step_seconds": args.step_seconds}
     stem = out_dir / "gpu-check-report"
     write_json(stem.with_suffix(".json"), rep)
     lines = [f"moespec GPU check ({'smoke, CPU' if args.smoke else (pieces['preflight'] or {}).get('device', '?')})"]
@@ -331,6 +336,8 @@ def report(args) -> int:
         lines.append(f"{s['strategy']:>11} prompt {s['prompt_len']}: TPOT {s['tpot_ms']['mean']:.2f} ms, "
                      f"TTFT {s['ttft_ms']['mean']:.0f} ms, stall {s['stall_ms_per_token']:.2f} ms/token, "
                      f"H2D {s['h2d_bytes_per_token'] / 1e6:.1f} MB/token{where}")
+    for plen, r in router_vs_auto.items():
+        lines.append(f"router+auto x none+auto prompt {plen}: TPOT {r:.3f} (issue 17 asks <= 0.95)")
     for r in (pieces["syncs"] or {}).get("runs", []):
         if r["syncs_per_token"] is None:
             lines.append(f"syncs/token {r['predictor']} {r['execute']}: n/a on CPU ({r['tokens']} tokens ran)")

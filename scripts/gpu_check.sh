@@ -10,7 +10,7 @@
 #                       (none+host, none+auto, router+auto: fetch vs host vs auto), --gpu-memory = two
 #                       layers of experts, 12 decode tokens
 #   6 syncs       40 s  host syncs per decode token (torch.cuda.set_sync_debug_mode)
-#   7 report      10 s  gpu-check-report.json + .txt
+#   7 report      10 s  gpu-check-report.json + .txt (with router+auto x none+auto TPOT, issue 17)
 # Peak host memory, stated truthfully: the checkpoint (~6.2 GB, in RAM when the scratch folder is on
 # /dev/shm) + the largest process (~5 GB pinned store + ~2-3 GB of Python/torch/CUDA): ~14 GB; the
 # report gives the measured RSS. Scratch files live in one folder that a trap removes on exit, error,

@@ -10,9 +10,14 @@ per arm the median step ms and the median over steps of the ratio to the first a
 better of the ``--best`` arms (the one with the lower median); the last stdout line is one JSON
 object (with every step's ms).
 
+An arm is PREDICTOR+ON_MISS, optionally @GBPS for its own link (``none+fetch@1000``: a link too fast
+to matter). ``--copy-share`` adds two arms, on-demand fetch at ``--link-gbps`` and unthrottled, and
+reports the share of the fetch TPOT that is copies, 1 - unthrottled / fetch (median over steps of
+the per-step ratio): the "copies are ~75 % of on-demand TPOT" of issue 17, stated in the same run.
+
   PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/on_miss_ab.py --link-gbps 0.9 \\
-      --arms none+fetch,none+host,none+auto --best none+fetch,none+host --steps 60
-  PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/on_miss_ab.py --link-gbps 0.06 \\
+      --arms none+fetch,none+host,none+auto --best none+fetch,none+host --steps 60 --copy-share
+  PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/on_miss_ab.py --link-gbps 0.25 \\
       --arms none+auto,router+auto --steps 60
 """
 import argparse
@@ -35,15 +40,21 @@ ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--prompt-len", type=int, default=64)
 ap.add_argument("--cache-experts", type=int, default=8)
 ap.add_argument("--warmup", type=int, default=3)
+ap.add_argument("--copy-share", action="store_true",
+                help="add none+fetch and an unthrottled none+fetch@1000 arm; report the copy share of fetch TPOT")
 args = ap.parse_args()
 torch.set_num_threads(1)
 
+UNTHROTTLED = "none+fetch@1000"
 arms = [a.strip() for a in args.arms.split(",")]
+if args.copy_share:
+    arms += [a for a in ("none+fetch", UNTHROTTLED) if a not in arms]
 models, engines = {}, {}
 for arm in arms:
-    pred, _, where = arm.partition("+")
-    cfg = RuntimeConfig(cache_experts=args.cache_experts, link_gbps=args.link_gbps, predictor=Predictor(pred),
-                        on_miss=OnMiss(where or "fetch"))
+    spec, _, gbps = arm.partition("@")
+    pred, _, where = spec.partition("+")
+    cfg = RuntimeConfig(cache_experts=args.cache_experts, link_gbps=float(gbps) if gbps else args.link_gbps,
+                        predictor=Predictor(pred), on_miss=OnMiss(where or "fetch"))
     models[arm] = load_offloaded(default_model_dir(), cfg)
     engines[arm] = Engine(models[arm])
 prompt = [int(t) for t in torch.randint(100, 20000, (args.prompt_len,), generator=torch.Generator().manual_seed(0))]
@@ -74,7 +85,11 @@ if best:
 for arm in arms:
     if best:
         out["ratio_to_best"][arm] = statistics.median(x / ms[winner][i] for i, x in enumerate(ms[arm]))
-    print(f"{arm:14s} median {out['median_ms'][arm]:8.1f} ms  x{ref} {out['ratio_to_first'][arm]:.3f}"
+    print(f"{arm:16s} median {out['median_ms'][arm]:8.1f} ms  x{ref} {out['ratio_to_first'][arm]:.3f}"
           + (f"  x {winner} {out['ratio_to_best'][arm]:.3f}" if best else ""))
+if args.copy_share:
+    out["copy_share"] = 1 - statistics.median(u / f for u, f in zip(ms[UNTHROTTLED], ms["none+fetch"]))
+    print(f"copy share of none+fetch at {args.link_gbps} GB/s: {out['copy_share']:.1%}"
+          f" (1 - {UNTHROTTLED} / none+fetch, median of step ratios)")
 out["step_ms"] = ms
 print(json.dumps(out))

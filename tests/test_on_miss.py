@@ -209,6 +209,75 @@ def test_idle_link_admits_one_prefetch_that_outlasts_a_layer():
     assert p.prefetch_budget(2) == 0
 
 
+def test_prediction_runs_only_where_it_pays():
+    # Default model on CPU: ~0.8 used prefetches per layer x 0.25 ms of host work they may save, against
+    # 0.4 ms of prediction and prefetch bookkeeping: skipped, but one layer in 64 still predicts (probe).
+    p = _planner(copy_ms=2.6, host_1=0.25, host_16=0.3, dev_1=0.25, dev_16=0.3)
+    assert p.prefetch_pays()  # nothing measured yet: predict (and measure)
+    p.observe_predict(0.4)
+    assert p.prefetch_pays()  # usefulness not measured yet
+    p.observe_used(1)
+    p.observe_used(0)  # running average: 1 + 0.2 * (0 - 1)
+    assert p.used_per_layer == pytest.approx(0.8)
+    decisions = [p.prefetch_pays() for _ in range(128)]
+    assert decisions.count(True) == 2 and decisions[63] and decisions[127]
+    # A 30B expert computed on the CPU (2 ms) beside a GPU predictor (0.1 ms): every layer predicts.
+    gpu = _planner(copy_ms=2.0, host_1=2.0, host_16=6.0, dev_1=0.05, dev_16=0.06)
+    gpu.observe_predict(0.1)
+    gpu.observe_used(1)
+    assert all(gpu.prefetch_pays() for _ in range(64))
+    # One preempted layer (40 ms) moves the overhead by the clamped step only: 0.1 + 0.2 * (0.4 - 0.1).
+    gpu.observe_predict(40.0)
+    assert gpu.predict_ms == pytest.approx(0.16)
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_auto_skips_the_predictor_where_it_does_not_pay(tiny_models, pays):
+    """Scripted averages: prediction costs 100 ms per layer and saves nothing -> no prediction, no
+    prefetch copy, no recall counted (the first probe comes after 64 layers); free and useful -> every
+    decode layer predicts. Greedy tokens equal transformers either way."""
+    folder = tiny_models["qwen3_moe"]
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER, on_miss=OnMiss.AUTO)
+    rec = StatsRecorder()
+    om = load_offloaded(folder, cfg, rec)
+    try:
+        om.runner.host.predict_ms, om.runner.host.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
+        om.runner.host.observe_predict = lambda ms: None  # keep the scripted averages
+        om.runner.host.observe_used = lambda used: None
+        toks = list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
+    finally:
+        om.close()
+    assert toks == reference_greedy(folder, GREEDY_PROMPT, 6)
+    decode = [s.total() for s in rec.steps if s.kind == "decode"]
+    assert len(decode) * len(om.store.moe_layers) < 64  # no probe layer in this run
+    recall_total = sum(t.recall_total for t in decode)
+    prefetched = sum(t.prefetched + t.prefetch_cancelled for t in decode)
+    if pays:
+        assert recall_total == (len(om.store.moe_layers) - 1) * len(decode) * om.adapter.top_k()
+    else:
+        assert recall_total == 0 and prefetched == 0
+
+
+def test_shared_processor_sends_landed_experts_where_they_finish_first():
+    # CPU: host and device are the same cores. Benchmarked alike (0.3 ms), the two landed experts run on
+    # the main thread (0.6 ms) beside the pool's two misses (0.6 ms): moving one would take 0.9 ms.
+    p = _planner(copy_ms=2.6, host_1=0.3, host_16=0.4, dev_1=0.3, dev_16=0.4)
+    p.costs.shared = True
+    landed, misses = [(0, 1), (1, 1)], [(2, 1), (3, 1)]
+    assert p.plan(OnMiss.AUTO, landed, [], misses, 0).host == {2, 3}
+    # Observed beside the pool the main thread takes 0.9 ms per expert: the last landed one moves to the
+    # pool (device 0.9, pool 0.9 ms, against 1.8 / 0.6); moving the other too would take the pool 1.2 ms.
+    for _ in range(20):
+        p.costs.observe_device(1, 0.9)
+    assert p.costs.device_ms(1) == pytest.approx(0.9, rel=0.02)
+    plan = p.plan(OnMiss.AUTO, landed, [], misses, 0)
+    assert plan.host == {1, 2, 3} and plan.device_ms == pytest.approx(0.9, rel=0.02)
+    assert plan.host_ms == pytest.approx(0.9)
+    # A separate device (CUDA) always computes what it holds.
+    q = _planner(copy_ms=2.6, host_1=0.3, host_16=0.4, dev_1=5.0, dev_16=5.0)
+    assert q.plan(OnMiss.AUTO, landed, [], misses, 0).host == {2, 3}
+
+
 def test_planner_in_flight_lands_by_its_age():
     slow = _planner(copy_ms=10.0, host_1=1.0, host_16=4.0, dev_1=0.1, dev_16=0.2)
     # Issued 9.5 ms ago: lands in 0.5 ms, waiting (0.6 ms) beats the host (1 ms); just issued: host.

@@ -26,6 +26,16 @@ lands before its layer runs; :meth:`MissPlanner.prefetch_budget` admits as many 
 layer's running-average wall time carries, less the copies already queued (highest predicted
 weight first), and at least one when the link is idle (a late copy costs no wait under ``auto``).
 Without the limit, a slow link queues copies that every later step drains.
+
+Whether to predict at all under ``auto`` (exact and guarded modes, where a prediction only feeds
+prefetch): :meth:`MissPlanner.prefetch_pays`. A used prefetch saves at most one host job, host_ms(1)
+(its expert runs on the device beside the pool instead of on the pool); predicting costs the
+measured main-thread ms of the prediction and its prefetch bookkeeping. Both are running averages
+(used prefetches per predicted layer, overhead ms per predicted layer); the layer predicts while
+used x host_ms(1) >= overhead, else skips prediction and re-measures one layer in _PROBE_EVERY (64).
+Measured on the default model on CPU (0.25 GB/s, 8 slots): ~0.8 used per layer x ~0.2-0.3 ms
+against ~0.4 ms of prediction and bookkeeping, so it does not pay there; an offloaded 30B
+expert computed on the CPU (ms) beside a GPU predictor (~0.1 ms) does.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ _AVERAGE = 0.2  # weight of a new observation in the running average of host ms
 # OS preempted for a few ms (a 2-core machine shared with other work: 20-60x its benchmark) must not
 # send the next misses to the link, since the same preemption hits a fetch and the device alike.
 _STEP_CLAMP = 4.0
+# While prediction does not pay, one decode layer in this many still predicts, so the measured
+# overhead and usefulness follow a changed load or link (about every other token on the default model).
+_PROBE_EVERY = 64
 
 
 @dataclass
@@ -59,7 +72,11 @@ class Costs:
         host_scale: running average of observed / predicted host ms (geometric, each step clamped).
         shared: host and device are the same processor (CPU): what slows the host (other load)
             slows the device alike, so device_ms follows host_scale too (else every slow host job
-            would bias the choice toward fetching).
+            would bias the choice toward fetching), until the device's own times are observed.
+        device_scale: running average of observed / predicted device ms (shared processor only; None
+            until a device expert was timed). The main thread's experts compete with the pool for
+            the same cores: on a loaded 2-core machine one took 0.74 ms beside the pool against
+            0.33 ms per pool job, so the plan must see the device as it runs, not as benchmarked.
     """
 
     copy_ms: float
@@ -69,6 +86,7 @@ class Costs:
     device_ms_16: float
     host_scale: float = 1.0
     shared: bool = False
+    device_scale: float | None = None
 
     @staticmethod
     def _line(ms_1: float, ms_16: float, tokens: int) -> float:
@@ -81,7 +99,10 @@ class Costs:
 
     def device_ms(self, tokens: int) -> float:
         """Predicted device ms for ``tokens`` tokens."""
-        return (self.host_scale if self.shared else 1.0) * self._line(self.device_ms_1, self.device_ms_16, tokens)
+        scale = 1.0
+        if self.shared:
+            scale = self.host_scale if self.device_scale is None else self.device_scale
+        return scale * self._line(self.device_ms_1, self.device_ms_16, tokens)
 
     def observe_host(self, tokens: int, ms: float) -> None:
         """Fold one finished host job into the running average.
@@ -94,6 +115,15 @@ class Costs:
         if want > 0 and ms > 0:
             step = min(max(ms / want / self.host_scale, 1 / _STEP_CLAMP), _STEP_CLAMP)
             self.host_scale *= step**_AVERAGE
+
+    def observe_device(self, tokens: int, ms: float) -> None:
+        """Shared processor: fold one expert computed on the device (main thread, synchronous on CPU)
+        into device_scale, as observe_host does for the pool (clamped steps)."""
+        want = self._line(self.device_ms_1, self.device_ms_16, tokens)
+        if want > 0 and ms > 0:
+            cur = self.host_scale if self.device_scale is None else self.device_scale
+            step = min(max(ms / want / cur, 1 / _STEP_CLAMP), _STEP_CLAMP)
+            self.device_scale = cur * step**_AVERAGE
 
 
 def _median_ms(fn, reps: int = 3) -> float:
@@ -136,7 +166,11 @@ def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, 
 
     def on_device(t: int) -> None:
         layout.forward(torch.zeros(t, hidden, dtype=dtype, device=device), scratch, act)
-        engine.synchronize()  # why: device time, not launch time
+        if device.type != "cpu":
+            # Why: device time, not launch time. On CPU the forward is synchronous; the engine's
+            # synchronize there is a round trip through the copy thread (~0.1 ms, measured 0.14 ->
+            # 0.27 ms per decode expert), which made the device look twice as slow as the host.
+            engine.synchronize()
 
     dev = {t: _median_ms(lambda t=t: on_device(t)) for t in _BENCH_TOKENS}
     return Costs(copy_ms=copy_ms, host_ms_1=host[1], host_ms_16=host[16], device_ms_1=dev[1], device_ms_16=dev[16],
@@ -165,6 +199,11 @@ class MissPlanner:
         self.pool = pool
         self.layer_ms: float | None = None  # running average of one MoE layer's wall time (decode)
         self._last: float | None = None
+        # Running averages for prefetch_pays: main-thread ms of one layer's prediction + prefetch
+        # bookkeeping, and prefetched experts used by a predicted layer (None: not measured yet).
+        self.predict_ms: float | None = None
+        self.used_per_layer: float | None = None
+        self._since_probe = 0
 
     def layer_started(self, new_step: bool = False) -> None:
         """Mark the start of an MoE layer (``new_step``: a new forward; the gap before it is not a layer)."""
@@ -189,6 +228,35 @@ class MissPlanner:
             return max(1 - in_flight, 0)
         return max(int(self.layer_ms / max(self.costs.copy_ms, 1e-6)) - in_flight, idle)
 
+    def prefetch_pays(self) -> bool:
+        """Auto mode: whether this decode layer should predict the next one (and prefetch it).
+
+        True until both running averages exist, while ``used_per_layer x host_ms(1) >= predict_ms``
+        (the host ms the used prefetches may take off the pool, against the main thread's cost of
+        predicting), and for one layer in ``_PROBE_EVERY`` otherwise (a probe that refreshes them).
+        """
+        if self.predict_ms is None or self.used_per_layer is None:
+            return True
+        if self.used_per_layer * self.costs.host_ms(1) >= self.predict_ms:
+            self._since_probe = 0
+            return True
+        self._since_probe += 1
+        if self._since_probe >= _PROBE_EVERY:
+            self._since_probe = 0
+            return True
+        return False
+
+    def observe_predict(self, ms: float) -> None:
+        """Fold the main-thread ms of one layer's prediction and prefetch issue into its average
+        (each observation clamped to ``_STEP_CLAMP`` x the average: one preempted layer is not the cost)."""
+        avg = self.predict_ms
+        self.predict_ms = ms if avg is None else avg + _AVERAGE * (min(ms, _STEP_CLAMP * avg) - avg)
+
+    def observe_used(self, used: int) -> None:
+        """Fold the prefetched experts a predicted layer used (computed on the device) into its average."""
+        u = self.used_per_layer
+        self.used_per_layer = float(used) if u is None else u + _AVERAGE * (used - u)
+
     def plan(self, mode: OnMiss, resident: list[tuple[int, int]], in_flight: list[tuple[int, int]],
              misses: list[tuple[int, int]], queued: int, ages_ms: dict[int, float] | None = None) -> MissPlan:
         """Decide where the misses of one layer run.
@@ -196,7 +264,9 @@ class MissPlanner:
         Args:
             mode: FETCH (none on the host), HOST (every miss; in-flight prefetches still run on the
                 device), AUTO (per miss and per in-flight prefetch, see the module docstring).
-            resident: (expert, t) resident and landed: computed on the device.
+            resident: (expert, t) resident and landed: computed on the device; where the device is the
+                host's own processor (``costs.shared``, AUTO), the last ones move to the pool while that
+                shortens the layer (the main thread and the pool share the cores; no copy either way).
             in_flight: (expert, t) resident but whose copy may not have landed (a prefetch).
             misses: (expert, t) not resident, in the order they would be fetched.
             queued: copies already on the link ahead of this layer's misses.
@@ -204,7 +274,7 @@ class MissPlanner:
                 copy_ms - age behind the older in-flight copies (missing: just issued).
 
         Returns:
-            MissPlan; ``host`` never holds a resident expert.
+            MissPlan; ``host`` holds a resident expert only on a shared processor.
         """
         if mode == OnMiss.FETCH:
             return MissPlan(frozenset(), 0.0, 0.0)
@@ -247,6 +317,17 @@ class MissPlanner:
                 if not prefetched:
                     link += c.copy_ms
                 dev = fetch_done
+        if c.shared:
+            # Same cores: a landed expert needs no copy, so it may as well run on the pool. Move them
+            # (last first) while that shortens the layer, max(device, host), by the observed costs.
+            for e, t in reversed(resident):
+                dev_ms, host_ms = cost(t)
+                w = min(range(len(workers)), key=workers.__getitem__)
+                if max(dev - dev_ms, workers[w] + host_ms) >= max(dev, max(workers)):
+                    break
+                host.add(e)
+                workers[w] += host_ms
+                dev -= dev_ms
         return MissPlan(frozenset(host), dev, max(workers))
 
     def observe(self, result: HostResult) -> None:

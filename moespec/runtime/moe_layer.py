@@ -5,7 +5,8 @@ Shapes: T tokens, H hidden, K top-k, E experts.
 Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert compute):
   1. routing of l: the true router (exact, guarded, on the device), or the prediction made at l-1
      (speculative, its ids already on the host);
-  2. the predictor turns r_l (and l's true or speculated routing) into the routing of l+1;
+  2. the predictor turns r_l (and l's true or speculated routing) into the routing of l+1 (under
+     ``--on-miss auto`` in exact/guarded mode only where the miss planner says it pays);
   3. ONE host read: l's expert ids (guarded: the guard's signals) with l+1's predicted ids;
      guarded mode then decides on the host which experts run (guard.py);
   4. prefetch pins of l that the routing does not use are released (counted as wasted);
@@ -25,6 +26,7 @@ decode steps (T == 1); prefill is always exact.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,6 +83,7 @@ class MoeLayerRunner:
         # Where misses run (--on-miss): FETCH, or the host pool + cost model (miss_policy.MissPlanner).
         self.on_miss = OnMiss.FETCH
         self.host = None
+        self._predict_s = 0.0  # the running layer's prediction time (auto: MissPlanner.observe_predict)
         # Optional observer (calibration, estimator data collection): gets .routing(layer, x,
         # residual, routing) and .expert_output(layer, expert, token_idx, raw_output); None = free.
         self.observer = None
@@ -184,8 +187,12 @@ class MoeLayerRunner:
         routing, host_ids = self._decode_routing(block, x, predicted, stats)
         residual = self.residual.pop(layer, None)
         nxt = None
-        if residual is not None:  # `used` is the true routing in exact/guarded, as NextLayerPredictor says
+        gated_predict = self._prefetch_gated()
+        if residual is not None and (not gated_predict or self.host.prefetch_pays()):
+            t0 = time.perf_counter()
+            # `used` is the true routing in exact/guarded, as NextLayerPredictor says
             nxt = self.predictor.predict(layer, residual.reshape(-1, residual.shape[-1]), routing)
+            self._predict_s = time.perf_counter() - t0
         guarded = host_ids is None and self.execute == ExecuteMode.GUARDED
         # The layer's one host read: what runs here and what l+1 is predicted to need, together
         # (float64 in guarded mode, whose signals carry gate weights; int64 otherwise).
@@ -218,6 +225,11 @@ class MoeLayerRunner:
             prefetch = lambda: self._prefetch_next(layer, pred)  # noqa: E731 - after l's demand copies
         self._stream(layer, sorted(k_of), stats, _Work(lambda e: x, put, block.act_fn, lambda e: 1), prefetch)
         return sum_one_token(weighted, x)
+
+    def _prefetch_gated(self) -> bool:
+        """Auto mode in exact/guarded execution: the miss planner decides per layer whether predicting
+        pays (MissPlanner.prefetch_pays). A speculative layer runs its prediction, so it always predicts."""
+        return self.on_miss == OnMiss.AUTO and self.host is not None and self.execute != ExecuteMode.SPECULATIVE
 
     def _decode_routing(self, block, x: torch.Tensor, predicted: _Prediction | None,
                         stats: LayerStats) -> tuple[Routing, list[int] | None]:
@@ -266,6 +278,7 @@ class MoeLayerRunner:
         return keep
 
     def _prefetch_next(self, layer: int, pred: _Prediction) -> None:
+        t0 = time.perf_counter()
         target = self.predictor.target(layer).layer
         self.predicted[target] = pred
         tstats = self.recorder.layer(target)
@@ -295,6 +308,8 @@ class MoeLayerRunner:
                 tstats.prefetched += 1
                 tstats.h2d_bytes += self.expert_bytes
         self.prefetch_pins[target] = pins
+        if self._prefetch_gated():
+            self.host.observe_predict((self._predict_s + time.perf_counter() - t0) * 1e3)
 
     def _stream(self, layer: int, experts: list[int], stats: LayerStats, work: "_Work", prefetch) -> None:
         """Acquire ``experts`` (ascending ids) of ``layer``, run ``prefetch()`` once l's demand copies are
@@ -305,6 +320,9 @@ class MoeLayerRunner:
         """
         cache, rec = self.cache, self.recorder
         layout = cache.store.layout
+        timed = self.host is not None and self.on_miss == OnMiss.AUTO and self.host.costs.shared
+        predicted_here = layer in self.prefetch_pins  # a layer that was predicted (its usefulness is measured)
+        used = 0
         kept_prefetch = self._release_unused_prefetch(layer, set(experts), stats)
         # Resident experts first (no wait), then misses in id order.
         resident = cache.resident_experts(layer)
@@ -314,6 +332,7 @@ class MoeLayerRunner:
         in_flight: deque = deque()
 
         def fill() -> None:
+            nonlocal used
             while pending:
                 got = cache.acquire((layer, pending[0]))
                 if got is None:
@@ -322,6 +341,7 @@ class MoeLayerRunner:
                 if got.hit:
                     stats.hits += 1
                     stats.prefetch_used += got.prefetched
+                    used += got.prefetched
                 else:
                     stats.misses += 1
                     stats.h2d_bytes += self.expert_bytes
@@ -334,10 +354,13 @@ class MoeLayerRunner:
         while in_flight:
             e, slot = in_flight.popleft()
             rec.span(stats, "stall_ms", cache.wait(slot))
-            t0 = cache.engine.mark() if rec.enabled else None
+            t0 = cache.engine.mark() if rec.enabled or timed else None
             work.put(e, layout.forward(work.inputs(e), cache.row(slot), work.act))  # [t, H] from the slot
-            if rec.enabled:
-                rec.span(stats, "compute_ms", Span(t0, cache.engine.mark()))
+            if rec.enabled or timed:
+                span = Span(t0, cache.engine.mark())
+                rec.span(stats, "compute_ms", span)
+                if timed:  # synchronous on a shared (CPU) device: the main thread's real cost per expert
+                    self.host.costs.observe_device(work.tokens(e), span.ms())
             cache.release(slot)
             fill()
             if pending and not in_flight:
@@ -345,6 +368,8 @@ class MoeLayerRunner:
                     f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
                     "raise --cache-experts / --gpu-memory",
                 )
+        if predicted_here and self._prefetch_gated():
+            self.host.observe_used(used)
         for e, job in host_jobs.items():  # ascending ids; the sum's order is fixed by put's positions
             done = job.result()
             rec.span(stats, "host_ms", Span(done.start, done.end))
@@ -358,7 +383,7 @@ class MoeLayerRunner:
             return {}
         cache = self.cache
         misses = [(e, work.tokens(e)) for e in experts if e not in resident]
-        landed, in_flight, queued, ages = [], [], 0, {}
+        landed, in_flight, queued, ages = [], [], 0, {}  # landed: may go to the host on a shared processor
         if self.on_miss == OnMiss.AUTO:
             for e in experts:
                 if e in resident:
