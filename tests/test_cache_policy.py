@@ -63,19 +63,6 @@ def test_lfru_forgets_old_uses_that_lfu_keeps():
     assert replay(trace[:8] + _trace(A), 2, _rule(CachePolicy.LFRU, {}, 2), prefetch_slots=0).hits == {0: 5}
 
 
-def test_lfru_keeps_what_the_last_visit_used_over_a_frequent_older_expert():
-    # top-2, 3 slots. a is seeded as very frequent; after {a, b} {c, d}, the cache holds {a, c, d}.
-    # At {d, e}, e must evict a or c: c was used in the layer's latest visit (the recent tier), so
-    # LFRU evicts a, where LFU (and LFRU's count alone: c 1.0 < a 9.0) evicts c; then {c, f}.
-    E, F = 4, 5
-    seed = {(0, A): 0.9}
-    trace = [{0: [A, B]}, {0: [C, D]}, {0: [D, E]}, {0: [C, F]}]
-    lfru = replay(trace, 3, _rule(CachePolicy.LFRU, seed, 3, k=2), prefetch_slots=0)
-    lfu = replay(trace, 3, _rule(CachePolicy.LFU, seed, 3, k=2), prefetch_slots=0)
-    assert lfru.hits == {0: 2} and lfru.copies == 6  # d and c hit
-    assert lfu.hits == {0: 1} and lfu.copies == 7  # d hits, c was evicted
-
-
 def test_static_never_evicts_the_hot_set():
     seed = {(0, A): 0.7, (0, B): 0.1, (0, C): 0.1, (0, D): 0.1}
     assert hot_set(seed, 1) == {(0, A)}

@@ -9,23 +9,16 @@ token at the key's layer", so keys of different layers compare.
 - ``lru``: the least recently released slot.
 - ``lfu``: the fewest uses; counts seeded with the calibration file's frequencies (per-token use
   probability x ``SEED_TOKENS`` pseudo-tokens) and incremented on every use; ties go to LRU order.
-- ``lfru``: two tiers (the privileged / unprivileged partitions of Bilal & Kang's LFRU): a key used
-  in the latest visit of its layer (fewer than K uses of the layer ago; one visit = K uses) is
-  evicted only when no other key can go; within a tier, frequency with recency decay decides: a
-  key's count decays by ``LFRU_DECAY`` per visit of its layer and gains 1 per use; seeded with
-  p / (1 - decay), its stationary value. Ties go to LRU order. Why the tier: when the cache holds
-  about one token's experts (L x K), the experts the last token used are the likeliest to come
-  back (LRU's hit rate at exactly L x K slots), and frequency alone evicted some of them; below
-  that size every cached key is recent and frequency decides, as before.
+- ``lfru``: frequency with recency decay: a key's count decays by ``LFRU_DECAY`` per visit of its
+  layer (one visit = K uses of the layer) and gains 1 per use; seeded with p / (1 - decay), its
+  stationary value. Ties go to LRU order.
 - ``static``: a hot set of the ``hot_slots`` most frequent (layer, expert) keys of the calibration
   file (the frequency placement of KTransformers' GPU experts) is never evicted once loaded;
   everything else is LRU. ``hot_slots`` = slots - 2K, so the running layer and one layer's
   prefetch always have room.
 
 Empty slots are always taken first. Source of the frequency rules: O'Neil et al., "The LRU-K page
-replacement algorithm" (1993) and Lee et al., "LRFU" (2001), which the decayed count follows;
-Bilal & Kang, "A cache management scheme for efficient content eviction and replication in cache
-networks" (2017) for LFRU's recent tier.
+replacement algorithm" (1993) and Lee et al., "LRFU" (2001), which the decayed count follows.
 """
 
 from __future__ import annotations
@@ -41,7 +34,6 @@ Key = tuple[int, int]  # (decoder layer index, expert id)
 
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
 LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
-_RECENT_TIER = 1e6  # added to a recent key's score: above any decayed count (<= 1 / (1 - decay) + seed)
 
 
 class EvictionRule:
@@ -85,8 +77,7 @@ class LfuRule(EvictionRule):
 
 
 class LfruRule(LfuRule):
-    """Keys used in their layer's latest visit first, then frequency decayed by recency:
-    count x LFRU_DECAY^(visits of the layer since the last use) + 1 per use (module docstring)."""
+    """Frequency decayed by recency: count x LFRU_DECAY^(visits of the layer since the last use) + 1 per use."""
 
     policy = CachePolicy.LFRU
 
@@ -107,9 +98,7 @@ class LfruRule(LfuRule):
         self.stamp[key] = now
 
     def score(self, key: Key) -> float:
-        now = self.uses.get(key[0], 0)
-        recent = key in self.stamp and now - self.stamp[key] < self.top_k
-        return self._decayed(key, now) + (_RECENT_TIER if recent else 0.0)
+        return self._decayed(key, self.uses.get(key[0], 0))
 
 
 class StaticRule(EvictionRule):
