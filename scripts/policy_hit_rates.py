@@ -10,6 +10,7 @@ calibration seed per decode step, JSON) and ``--trace FILE`` replays a saved one
 the model. Usage:
 
   PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
+      [--generate | --chat "Write a short story about a lighthouse keeper."]
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from pathlib import Path
 import torch
 
 
-def record(tokens: int, prompt: int) -> dict:
-    """Run the default model over held-out text; the trace as a JSON-ready dict."""
+def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = None) -> dict:
+    """Run the default model over held-out text; the trace as a JSON-ready dict.
+
+    ``generate``: decode greedily after the prompt (what chat does) instead of teacher-forcing the
+    text; ``chat``: the prompt is this user message in the model's chat template (implies generate).
+    """
     from transformers import AutoTokenizer
 
     from moespec.config import CachePolicy, Predictor, RuntimeConfig
@@ -39,6 +44,10 @@ def record(tokens: int, prompt: int) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     text, _ = load_text(None)
     ids = tok(text)["input_ids"][: prompt + tokens]
+    if chat is not None:
+        templated = tok.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
+                                            tokenize=False)
+        ids, prompt, generate = tok(templated, add_special_tokens=False)["input_ids"], None, True
     engine = Engine(om)
     om.runner.record_routing = True
     trace, preds = [], []
@@ -51,10 +60,11 @@ def record(tokens: int, prompt: int) -> dict:
 
     om.runner._prefetch_next = spy
     with torch.inference_mode():
-        engine.forward(ids[:prompt], "prefill")
-        for t in ids[prompt:]:
+        last = engine.forward(ids[:prompt], "prefill")
+        for i in range(tokens):
             current: dict[int, list[int]] = {}
-            engine.forward([t], "decode")
+            t = int(torch.argmax(last)) if generate else ids[prompt + i]
+            last = engine.forward([t], "decode")
             trace.append({layer: r.ids[0].tolist() for layer, r in sorted(om.runner.routings.items())})
             preds.append(current)
     k = om.adapter.top_k()
@@ -77,10 +87,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--generate", action="store_true", help="greedy decoding after the prompt, not the text")
+    ap.add_argument("--chat", help="generate after this user message in the chat template")
     ap.add_argument("--save", type=Path, help="write the recorded trace here (JSON)")
     ap.add_argument("--trace", type=Path, help="replay this saved trace instead of running the model")
     args = ap.parse_args()
-    data = json.loads(args.trace.read_text()) if args.trace else record(args.tokens, args.prompt)
+    data = json.loads(args.trace.read_text()) if args.trace else record(args.tokens, args.prompt, args.generate, args.chat)
     if args.save:
         args.save.write_text(json.dumps(data))
     trace, k, total = _steps(data["trace"]), data["top_k"], data["experts"]
