@@ -39,6 +39,7 @@ from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache import ExpertCache
 from moespec.runtime.experts import TopkSum, gated, group_by_expert, sum_one_token
 from moespec.runtime.guard import guard_signals, plan_guard, signals_length, substituted_routing
+from moespec.runtime.routing_stats import record_recall, record_skipped
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
 
@@ -240,10 +241,10 @@ class MoeLayerRunner:
         if not speculate or rec.enabled:
             true = self.adapter.route(block, x)  # in speculative mode only to measure recall
         if predicted is not None and rec.enabled:
-            _record_recall(rec, stats, predicted.routing, true)
+            record_recall(rec, stats, predicted.routing, true)
         if speculate:
             if true is not None:
-                _record_skipped(rec, stats, predicted.routing, true)
+                record_skipped(rec, stats, predicted.routing, true)
             return predicted.routing, predicted.host_ids
         return true, None
 
@@ -412,21 +413,3 @@ class _Work:
     put: object
     act: object
     tokens: object
-
-
-def _record_recall(rec: StatsRecorder, stats: LayerStats, predicted: Routing, true: Routing) -> None:
-    """recall@K and weighted recall of ``predicted`` against ``true`` (ids/weights [T, K]), kept on the device."""
-    hit = (predicted.ids.unsqueeze(-1) == true.ids.unsqueeze(-2)).any(dim=-2)  # [T, K] true k predicted?
-    w = true.weights.float()
-    rec.count(stats, "recall_hits", hit.sum())
-    stats.recall_total += hit.numel()
-    rec.count(stats, "weighted_hit", (w * hit).sum())
-    rec.count(stats, "weighted_total", w.sum())
-
-
-def _record_skipped(rec: StatsRecorder, stats: LayerStats, ran: Routing, true: Routing) -> None:
-    """True top-K experts that did not run, and their share of the true top-K gate mass (device counters)."""
-    ran_hit = (true.ids.unsqueeze(-1) == ran.ids.unsqueeze(-2)).any(dim=-1)  # [T, K]
-    rec.count(stats, "skipped", (~ran_hit).sum())
-    w = true.weights.float()  # [T, K]
-    rec.count(stats, "skipped_mass", (w / w.sum(dim=-1, keepdim=True) * ~ran_hit).sum())  # renormalised share
