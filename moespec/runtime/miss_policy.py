@@ -111,19 +111,22 @@ class Costs:
         [1/4, 4] x the current average: robust to single outliers (preemption), still follows a host
         that is really slower (x10 takes 9 jobs, less than one decode token of the default model).
         """
-        want = self._line(self.host_ms_1, self.host_ms_16, tokens)
-        if want > 0 and ms > 0:
-            step = min(max(ms / want / self.host_scale, 1 / _STEP_CLAMP), _STEP_CLAMP)
-            self.host_scale *= step**_AVERAGE
+        self.host_scale = _folded(self.host_scale, ms, self._line(self.host_ms_1, self.host_ms_16, tokens))
 
     def observe_device(self, tokens: int, ms: float) -> None:
         """Shared processor: fold one expert computed on the device (main thread, synchronous on CPU)
         into device_scale, as observe_host does for the pool (clamped steps)."""
-        want = self._line(self.device_ms_1, self.device_ms_16, tokens)
-        if want > 0 and ms > 0:
-            cur = self.host_scale if self.device_scale is None else self.device_scale
-            step = min(max(ms / want / cur, 1 / _STEP_CLAMP), _STEP_CLAMP)
-            self.device_scale = cur * step**_AVERAGE
+        cur = self.host_scale if self.device_scale is None else self.device_scale
+        self.device_scale = _folded(cur, ms, self._line(self.device_ms_1, self.device_ms_16, tokens))
+
+
+def _folded(scale: float, ms: float, want: float) -> float:
+    """``scale`` (observed / predicted ms, geometric running average) after one observation of ``ms``
+    against a prediction of ``want`` ms at scale 1, the step clamped to [1/_STEP_CLAMP, _STEP_CLAMP]."""
+    if want <= 0 or ms <= 0:
+        return scale
+    step = min(max(ms / want / scale, 1 / _STEP_CLAMP), _STEP_CLAMP)
+    return scale * step**_AVERAGE
 
 
 def _median_ms(fn, reps: int = 3) -> float:
