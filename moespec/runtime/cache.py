@@ -128,6 +128,13 @@ class ExpertCache:
         """Expert ids of ``layer`` currently held in slots."""
         return self._by_layer.get(layer, set())
 
+    def resident_first(self, layer: int, experts: list[int]) -> list[int]:
+        """``experts`` of ``layer`` with the resident ones first, each group in the given order: the
+        order a layer pins its hits before its misses, and a prediction its resident experts before
+        copying others, so no copy evicts an expert the same request needs."""
+        resident = self.resident_experts(layer)
+        return [e for e in experts if e in resident] + [e for e in experts if e not in resident]
+
     def key_of(self, slot: int) -> Key | None:
         """The key held in ``slot``."""
         return self._key[slot]

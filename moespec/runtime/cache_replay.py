@@ -110,8 +110,7 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
                 out.wasted += cache.unused_prefetch(slot)
                 cache.release(slot)
             held = []
-            resident = set(cache.resident_experts(layer))
-            for e in [e for e in ids if e in resident] + [e for e in ids if e not in resident]:
+            for e in cache.resident_first(layer, ids):
                 got = cache.acquire((layer, e))
                 if got is None:
                     raise ValueError(f"replay: {num_slots} slots cannot hold layer {layer}'s experts")
@@ -125,9 +124,7 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
             if predictions is not None and i + 1 < len(layers):
                 nxt = layers[i + 1]
                 got_pins = []
-                want = sorted(set(predictions[s].get(nxt, [])))
-                resident = set(cache.resident_experts(nxt))
-                for e in [e for e in want if e in resident] + [e for e in want if e not in resident]:
+                for e in cache.resident_first(nxt, sorted(set(predictions[s].get(nxt, [])))):
                     got = cache.prefetch((nxt, e))
                     if got is None:
                         break

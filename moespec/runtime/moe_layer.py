@@ -294,7 +294,7 @@ class MoeLayerRunner:
         resident = set(self.cache.resident_experts(target))
         # Resident predictions are pinned first, so no copy of this prediction evicts one of them
         # (as a layer pins its hits before its misses; cache.py's rule).
-        wanted = [e for e in wanted if e in resident] + [e for e in wanted if e not in resident]
+        wanted = self.cache.resident_first(target, wanted)
         for e in wanted:
             if budget is not None and e not in resident:
                 if budget == 0:
@@ -329,7 +329,7 @@ class MoeLayerRunner:
         resident = cache.resident_experts(layer)
         host_jobs = self._start_host(layer, experts, resident, stats, work)
         device = [e for e in experts if e not in host_jobs]
-        pending = deque([e for e in device if e in resident] + [e for e in device if e not in resident])
+        pending = deque(cache.resident_first(layer, device))
         in_flight: deque = deque()
 
         def fill() -> None:
