@@ -91,11 +91,7 @@ class MoeLayerRunner:
 
     def reset_step(self) -> None:
         """Drop per-forward state; release prefetch pins a previous forward left behind."""
-        for slots in self.prefetch_pins.values():
-            for slot in slots:
-                self.cache.unused_prefetch(slot)
-                self.cache.release(slot)
-        self.prefetch_pins.clear()
+        self._release_prefetch_pins(cancel=False)
         if self.host is not None:
             self.host.layer_started(new_step=True)
         self.predicted.clear()
@@ -123,15 +119,22 @@ class MoeLayerRunner:
         Returns:
             the number of copies cancelled before they ran.
         """
+        cancelled = self._release_prefetch_pins(cancel=True)
+        self._clear_forward_state()
+        return cancelled
+
+    def _release_prefetch_pins(self, cancel: bool) -> int:
+        """Release every prefetch pin (``cancel``: first drop copies not started yet); returns how many
+        were dropped. A copy that ran stays in its slot as an unused prediction."""
         cancelled = 0
         for slots in self.prefetch_pins.values():
             for slot in slots:
-                if self.cache.cancel_prefetch(slot):
+                if cancel and self.cache.cancel_prefetch(slot):
                     cancelled += 1
                 else:
                     self.cache.unused_prefetch(slot)
                 self.cache.release(slot)
-        self._clear_forward_state()
+        self.prefetch_pins.clear()
         return cancelled
 
     def _clear_forward_state(self) -> None:
