@@ -241,8 +241,8 @@ def test_a_calibration_file_of_another_model_is_checked_like_quasi(tiny_models, 
     back to lru with a one-line note."""
     from test_calibrate import _calibrate
 
-    from moespec.calibrate.file import save_calibration
-    from moespec.calibrate.locate import BESIDE_MODEL
+    from moespec.artifacts import CALIBRATION_BESIDE_MODEL as BESIDE_MODEL
+    from moespec.predict.calibration_file import save_calibration
 
     calib = _calibrate(tiny_models["qwen3_moe"])
     own = save_calibration(tmp_path / "own.safetensors", calib)

@@ -7,8 +7,9 @@ import torch
 from tiny import reference_model
 
 from moespec.calibrate.data import ChunkPlan
-from moespec.calibrate.file import save_calibration
-from moespec.calibrate.locate import BESIDE_MODEL, default_calibration_path, model_key
+from moespec.artifacts import CALIBRATION_BESIDE_MODEL as BESIDE_MODEL
+from moespec.artifacts import default_calibration_path, model_key
+from moespec.predict.calibration_file import save_calibration
 from moespec.calibrate.run import CalibrateConfig, calibrate
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import CalibrationError
@@ -39,12 +40,11 @@ def test_quasi_delta_is_the_gate_weighted_sum_of_default_vectors():
 
 
 def test_zero_default_vectors_predict_as_the_router_predictor(tiny_models):
-    from moespec.calibrate.run import layer_refs
     from moespec.predict.base import RouterPredictor
 
     om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(predictor=Predictor.NONE))
     try:
-        refs = layer_refs(om)
+        refs = om.layer_refs()
         zero = QuasiPredictor(om.adapter, refs, {r.layer: torch.zeros(8, 32) for r in refs})
         router = RouterPredictor(om.adapter, refs)
         r = torch.randn(4, 32)
@@ -131,7 +131,7 @@ def test_profile_measures_quasi_with_quasi_not_router(tiny_models, tmp_path):
 
     from typer.testing import CliRunner
 
-    from moespec.calibrate.file import load_calibration
+    from moespec.predict.calibration_file import load_calibration
     from moespec.cli.app import app
 
     folder = tiny_models["qwen2_moe"]

@@ -28,7 +28,10 @@ from pathlib import Path
 
 import torch
 
+from moespec.artifacts import find_calibration, model_key
 from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy
+from moespec.errors import CalibrationError
+from moespec.predict.calibration_file import load_calibration, load_checked
 
 Key = tuple[int, int]  # (decoder layer index, expert id)
 
@@ -163,15 +166,12 @@ def load_seed(model_path: str | Path, explicit: str | None, top_k: int, config=N
     Args:
         config, layers, routers: the running model's config, MoE layer indices and router weights [E, H];
             when given, the file must have been made for this model, checked as the quasi predictor checks
-            it (config hash, MoE layers, router fingerprint; calibrate.file.check_matches).
+            it (config hash, MoE layers, router fingerprint; predict.calibration_file.check_matches).
 
     Raises:
         CalibrationError: no calibration file (names `moespec calibrate`), an unreadable one, or one made
             for another model (names `moespec calibrate MODEL` and ``--cache-policy lru``).
     """
-    from moespec.calibrate.file import load_calibration, load_checked
-    from moespec.errors import CalibrationError
-
     path = find_policy_calibration(model_path, explicit)
     if config is None:
         calib = load_calibration(path)
@@ -189,9 +189,6 @@ def find_policy_calibration(model_path: str | Path, explicit: str | None, policy
     Raises:
         CalibrationError: one line naming `moespec calibrate` and the flag that avoids it.
     """
-    from moespec.calibrate.locate import find_calibration, model_key
-    from moespec.errors import CalibrationError
-
     try:
         return find_calibration(model_path, explicit)
     except CalibrationError:
@@ -212,8 +209,6 @@ def resolve_policy(asked: CachePolicy | None, model_path: str | Path, explicit: 
     if asked is None:
         if not DEFAULT_CACHE_POLICY.needs_calibration:
             return DEFAULT_CACHE_POLICY
-        from moespec.errors import CalibrationError
-
         try:
             find_policy_calibration(model_path, explicit)
         except CalibrationError:

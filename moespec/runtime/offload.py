@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moespec.artifacts import model_key
 from moespec.config import OnMiss, Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CheckpointError, DeviceError, OptionError
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
-from moespec.predict.base import LayerRef, NextLayerPredictor, NoPredictor, RouterPredictor
+from moespec.predict.base import LayerRef, NoPredictor
+from moespec.predict.factory import make_predictor
 from moespec.runtime.cache import ExpertCache
 from moespec.runtime.checkpoint import iter_tensors, safetensors_files
 from moespec.runtime.host_memory import check_host_memory
@@ -188,6 +190,12 @@ class OffloadedModel:
             runner.host = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
         runner.on_miss = mode
 
+    def layer_refs(self) -> list[LayerRef]:
+        """The MoE layers, in order, as predictors and observers see them (router input norm, block)."""
+        layers = self.model.model.layers
+        return [LayerRef(layer=i, norm=layers[i].post_attention_layernorm, block=layers[i].mlp)
+                for i in self.store.moe_layers]
+
     def max_context(self) -> int:
         """The model's context length in tokens."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
@@ -223,25 +231,6 @@ def _moe_layers(model: nn.Module, adapter: MoeAdapter) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if adapter.is_moe_block(layer.mlp)]
 
 
-def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
-                   model_path: Path) -> NextLayerPredictor:
-    """The predictor named by ``--predictor``.
-
-    Raises:
-        OptionError: a predictor that this build cannot make (names the command that provides it).
-    """
-    if kind == Predictor.NONE:
-        return NoPredictor(adapter, refs)
-    if kind == Predictor.ROUTER:
-        return RouterPredictor(adapter, refs)
-    try:
-        from moespec.predict.factory import make_calibrated_predictor
-    except ModuleNotFoundError:
-        raise OptionError(f"--predictor {kind.value} is not available in this build",
-                          "use --predictor router or none") from None
-    return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
-
-
 def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int, config, refs: list[LayerRef]):
     """What makes the cache's eviction rule for ``policy`` (resolve_policy's; seeded ones read the calibration file),
     and a note for the user or None. Called once the routers are loaded: a seeded policy's file must be
@@ -253,7 +242,6 @@ def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int
     """
     from functools import partial
 
-    from moespec.calibrate.locate import model_key
     from moespec.config import CachePolicy
     from moespec.errors import CalibrationError
     from moespec.runtime.cache_policy import load_seed, make_rule
