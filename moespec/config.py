@@ -30,14 +30,14 @@ class ExecuteMode(str, enum.Enum):
 
 
 class GuardRule(str, enum.Enum):
-    """Which misses `guarded` mode skips (runtime/guard.py, ``--guard-rule``); τ = ``--fetch-threshold``."""
+    """Which misses `guarded` mode skips (runtime/layer/guard.py, ``--guard-rule``); τ = ``--fetch-threshold``."""
 
     THRESHOLD = "threshold"  # every miss whose renormalised weight is < τ
     BUDGET = "budget"  # misses lightest first while the token's skipped weight stays <= τ
 
 
 class CachePolicy(str, enum.Enum):
-    """Which expert the cache area evicts (runtime/cache_policy.py, ``--cache-policy``)."""
+    """Which expert the cache area evicts (runtime/cache/eviction.py, ``--cache-policy``)."""
 
     LRU = "lru"  # least recently used
     LFU = "lfu"  # least frequently used, seeded from calibration frequencies
@@ -109,7 +109,7 @@ class RuntimeConfig:
         predictor: how the next layer's experts are predicted.
         execute: what runs on a wrong prediction.
         fetch_threshold: τ of the guarded mode, in renormalised gate weight (0 = exact, >1 never fetch).
-        guard_rule: how τ picks the misses guarded mode skips (runtime/guard.py).
+        guard_rule: how τ picks the misses guarded mode skips (runtime/layer/guard.py).
         guard_substitute: run the best resident expert by router logit in place of a skipped one
             (False: drop it and renormalise over what runs).
         link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
@@ -150,7 +150,7 @@ class RuntimeConfig:
             raise OptionError(f"--host-threads {self.host_threads} must be at least 1",
                               "pass --host-threads 1 or more, or leave it out (measured at load)")
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the
-        # real minimum in experts and bytes (moespec.runtime.offload.num_slots): one message for every value.
+        # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

@@ -57,7 +57,7 @@ def slice_sizes(shape: dict, layers: int):
 
 
 def available_ram() -> int:
-    from moespec.runtime.host_memory import available_bytes
+    from moespec.runtime.host.memory import available_bytes
 
     return available_bytes()
 
@@ -140,8 +140,8 @@ def _demand_wait_ms(torch, engine, slots, rows, prefetches: int) -> float:
 def bandwidth(args) -> int:
     import torch
 
-    from moespec.runtime.host_memory import PinnedBuffer
-    from moespec.runtime.transfer_cuda import CudaTransferEngine
+    from moespec.runtime.host.memory import PinnedBuffer
+    from moespec.runtime.transfer.cuda import CudaTransferEngine
 
     dev = torch.device("cuda", 0)
     shape = QWEN3_30B_A3B
@@ -231,7 +231,7 @@ def syncs(args) -> int:
     from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
     from moespec.predict.base import NoPredictor, RouterPredictor
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
 
     folder = Path(args.work) / "qwen3-30b-a3b-slice"

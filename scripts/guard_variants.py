@@ -29,7 +29,7 @@ def main() -> None:
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.strategy import Strategy, guard_arms
     from moespec.profile.trace import DecodeInputs
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache-experts", type=int, default=120)

@@ -2,7 +2,7 @@
 
 Teacher-forces held-out text token by token through the default model (every expert resident, so
 the routing is the model's own), records the routing of each decode step, then replays it through
-the runtime's ExpertCache (cache_replay.py) for each policy and cache size: on-demand, with the
+the runtime's ExpertCache (runtime/cache/replay.py) for each policy and cache size: on-demand, with the
 router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
 rule. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
 line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
@@ -34,9 +34,9 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
     from moespec.config import CachePolicy, Predictor, RuntimeConfig
     from moespec.default_model import ensure_default_model
     from moespec.profile.trace import load_text
-    from moespec.runtime.cache_policy import load_seed
+    from moespec.runtime.cache.eviction import load_seed
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     torch.set_num_threads(1)
     path = ensure_default_model(None)
@@ -81,8 +81,8 @@ def _steps(raw: list) -> list[dict[int, list[int]]]:
 
 def main() -> None:
     from moespec.config import CachePolicy
-    from moespec.runtime.cache_policy import make_rule
-    from moespec.runtime.cache_replay import replay
+    from moespec.runtime.cache.eviction import make_rule
+    from moespec.runtime.cache.replay import replay
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from serve_harness import wait_until
 
 from moespec.config import Predictor, RuntimeConfig
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 
 def test_drop_prefetches_cancels_queued_prefetches_and_releases_pins(tiny_models):

@@ -16,7 +16,7 @@ from moespec.predict.base import RouterPredictor
 from moespec.predict.calibration_file import config_hash, load_calibration, save_calibration
 from moespec.predict.recall import routing_hits
 from moespec.runtime.chunks import measure_recall
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 

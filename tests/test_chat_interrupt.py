@@ -13,7 +13,7 @@ from moespec.chat.render import render
 from moespec.chat.session import ChatSession
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 from moespec.runtime.transfer import ThreadTransferEngine
 

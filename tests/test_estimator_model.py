@@ -30,7 +30,7 @@ from moespec.predict.base import RouterPredictor
 from moespec.predict.estimator import EstimatorPredictor
 from moespec.predict.quasi import QuasiPredictor
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 

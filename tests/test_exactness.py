@@ -12,7 +12,7 @@ from tiny import GREEDY_PROMPT, make_checkpoint, offloaded_greedy, reference_gre
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]

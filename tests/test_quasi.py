@@ -16,7 +16,7 @@ from moespec.errors import CalibrationError
 from moespec.models.base import Routing
 from moespec.predict.quasi import QuasiPredictor, quasi_delta
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder, summarize
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moespec.models.base import ExpertLayout, Routing
-from moespec.runtime.experts import (TopkSum, decode_contribution, gated, group_by_expert, reference_moe,
+from moespec.runtime.layer.experts import (TopkSum, decode_contribution, gated, group_by_expert, reference_moe,
                                      reference_moe_eager, sum_one_token)
 
 H, I, E = 16, 8, 6

@@ -18,10 +18,10 @@ from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded, min_slots
+from moespec.runtime.load import load_offloaded, min_slots
 from moespec.runtime.stats import StatsRecorder
 from moespec.runtime.transfer import Ticket
-from moespec.runtime.transfer_cuda import CudaTransferEngine
+from moespec.runtime.transfer.cuda import CudaTransferEngine
 
 TURNS = ([3, 14, 15, 92, 65, 35], [89, 79, 32])  # the second turn extends the first conversation
 NEW_TOKENS = 4
@@ -218,7 +218,7 @@ def test_link_busy_time_counts_overlapping_copies_once():
     """busy_ms is the union of copy spans: two streams copying at once are one busy link, not two."""
     from fake_cuda import FakeEvent
 
-    from moespec.runtime.transfer_cuda import busy_ms
+    from moespec.runtime.transfer.cuda import busy_ms
 
     def ev(t):
         e = FakeEvent(timing=True)

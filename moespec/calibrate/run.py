@@ -25,7 +25,7 @@ from moespec.predict.calibration_file import Calibration, config_hash, finite_me
 from moespec.predict.quasi import QuasiPredictor
 from moespec.predict.recall import METRICS
 from moespec.runtime.chunks import Progress, measure_recall, run_chunks
-from moespec.runtime.offload import OffloadedModel
+from moespec.runtime.model import OffloadedModel
 
 
 @dataclass(frozen=True)

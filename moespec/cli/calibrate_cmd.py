@@ -68,7 +68,7 @@ def calibrate(
     from moespec.calibrate.run import CalibrateConfig
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     set_threads(threads)
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for

@@ -146,7 +146,7 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
         err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
         total = len(om.store.moe_layers) * om.store.num_experts
         if om.cache.num_slots >= total:
-            from moespec.runtime.offload import min_slots
+            from moespec.runtime.load import min_slots
 
             # Said once: with every expert resident the stats show no offloading, and the user should know why.
             some = max(min_slots(om.adapter.top_k(), cfg.predictor), total // 4)

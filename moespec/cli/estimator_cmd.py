@@ -84,7 +84,7 @@ def train_estimator(
     from moespec.estimator.run import (EstimatorConfig, find_model_calibration, fit,
                                        input_kind, prepare_states)
     from moespec.estimator.train import TrainConfig
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
     cfg = EstimatorConfig(

@@ -201,7 +201,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
     from moespec.profile.report import build_report, describe
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.trace import check_lengths
-    from moespec.runtime.offload import load_offloaded, make_predictor
+    from moespec.runtime.load import load_offloaded, make_predictor
 
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
@@ -254,7 +254,7 @@ def _policy_hit_rates(om, path, calibration, prof) -> dict:
     """prompt length (str) -> policy -> hit rates of the exact trace replayed on-demand (profile/policies.py)."""
     from moespec.errors import CalibrationError
     from moespec.profile.policies import policy_hit_rates
-    from moespec.runtime.cache_policy import load_seed
+    from moespec.runtime.cache.eviction import load_seed
 
     k = om.adapter.top_k()
     refs = list(om.runner.predictor.refs.values())

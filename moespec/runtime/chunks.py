@@ -17,7 +17,7 @@ import torch
 from moespec.predict.base import NextLayerPredictor
 from moespec.predict.recall import METRICS, RecallObserver
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import OffloadedModel
+from moespec.runtime.model import OffloadedModel
 
 # (stage, tokens done, tokens total) after every chunk; stage names the pass ("calibrate", "heldout").
 Progress = Callable[[str, int, int], None]

@@ -23,7 +23,7 @@ import torch
 from moespec.config import SamplingConfig
 from moespec.errors import PromptError
 from moespec.runtime import kv as kvcache
-from moespec.runtime.offload import OffloadedModel
+from moespec.runtime.model import OffloadedModel
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:

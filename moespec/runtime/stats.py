@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from moespec.runtime.transfer import Span
+from moespec.runtime.transfer.base import Span
 
 
 @dataclass

@@ -17,7 +17,7 @@ Order inside MoE layer l at a decode step (the copy of l+1 overlaps l's expert c
      freed slot takes the next missing expert (so a prefill touching every expert streams the
      whole layer through a small cache in one pass). Misses that ``--on-miss host|auto`` sends to
      the host start on the host pool before the device's experts and are summed after them
-     (miss_policy.py, host_compute.py): the sum is the same TopkSum either way.
+     (runtime/misses): the sum is the same TopkSum either way.
 A prefill reads only the per-expert pair counts (one argsort grouping, experts.group_by_expert).
 Statistics computed on the device (recall, skipped mass) are read once per step at end_step, so
 a layer costs at most one host sync in every mode. Prediction and approximate modes apply to
@@ -36,12 +36,12 @@ from moespec.config import ExecuteMode, GuardRule, OnMiss
 from moespec.errors import BudgetError
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
-from moespec.runtime.cache import ExpertCache
-from moespec.runtime.experts import TopkSum, gated, group_by_expert, sum_one_token
-from moespec.runtime.guard import guard_signals, plan_guard, signals_length, substituted_routing
-from moespec.runtime.routing_stats import record_recall, record_skipped
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token
+from moespec.runtime.layer.guard import guard_signals, plan_guard, signals_length, substituted_routing
+from moespec.runtime.layer.routing_stats import record_recall, record_skipped
 from moespec.runtime.stats import LayerStats, StatsRecorder
-from moespec.runtime.transfer import Span
+from moespec.runtime.transfer.base import Span
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Shapes: M MoE layers, E experts per layer, K top-k.
 
 A rule only picks the victim among the cache's evictable slots (unpinned, cache area) and learns
-from each use; the cache (cache.py) owns slots, pins and copies. Scores are in "expected uses per
+from each use; the cache (slots.py) owns slots, pins and copies. Scores are in "expected uses per
 token at the key's layer", so keys of different layers compare.
 
 - ``lru``: the least recently released slot.

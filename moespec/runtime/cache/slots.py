@@ -10,11 +10,11 @@ The rule that keeps prefetch from costing more than it saves (issue 16):
 
 - A prefetch of a resident expert costs nothing: it only pins the slot it is in, keeping the
   slot's place in the eviction order (a prediction is not a use). The runner pins a layer's
-  resident predictions before it copies any other (moe_layer.py), as a layer pins its hits
+  resident predictions before it copies any other (layer/runner.py), as a layer pins its hits
   before its misses.
 - A copy, demand or prefetch, takes the first of: an empty slot; the oldest **unused
   prediction** (a prefetched expert whose target layer ran without it); the eviction rule's
-  victim (``--cache-policy``, cache_policy.py). Never a pinned slot; a prefetch never takes one
+  victim (``--cache-policy``, eviction.py). Never a pinned slot; a prefetch never takes one
   whose copy is still in flight either, and holds at most ``prefetch_slots`` (K) slots with
   unused copies at once. There is no reserved prefetch area: every slot is cache.
 - So a right prediction evicts, only earlier, what its demand miss would have evicted, and moves
@@ -44,9 +44,9 @@ from typing import Callable
 import torch
 
 from moespec.config import CachePolicy
-from moespec.runtime.cache_policy import EvictionRule
-from moespec.runtime.store import ExpertStore
-from moespec.runtime.transfer import Span, Ticket, TransferEngine
+from moespec.runtime.cache.eviction import EvictionRule
+from moespec.runtime.host.store import ExpertStore
+from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 Key = tuple[int, int]  # (decoder layer index, expert id)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from moespec.artifacts import quant_store_path
 from moespec.errors import OutputError
 from moespec.models.quant_layout import QuantLayout
-from moespec.runtime.checkpoint import WINDOW_BYTES, MappingWindow
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow
+from moespec.runtime.host.store import ExpertStore
 
 FORMAT = 2  # bump when the row layout or the arithmetic changes (2: int4 packs halves)
 META_KEY = "moespec_quant_store"

@@ -2,10 +2,10 @@
 
 Shapes: K top-k; a trace is, per decode step, decoder layer -> the K expert ids it ran.
 
-The cache, its areas and its eviction rule are the runtime's own (cache.py); only the store and
+The cache, its areas and its eviction rule are the runtime's own (slots.py); only the store and
 the transfer engine are stand-ins (a 1-element row per expert, copies that land at once), so a
 replay costs microseconds per expert and gives exactly the hits, misses and copies the runtime's
-cache would see for the same sequence of uses. The order inside a step follows moe_layer.py:
+cache would see for the same sequence of uses. The order inside a step follows layer/runner.py:
 unused prefetch pins of layer l are released, l's experts are acquired (resident ones first, all
 pinned), l+1's prediction is prefetched (resident ones first), then l's experts are released.
 """
@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from moespec.runtime.cache import ExpertCache
-from moespec.runtime.cache_policy import EvictionRule
-from moespec.runtime.transfer import Span, Ticket, TransferEngine
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.cache.eviction import EvictionRule
+from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 Trace = list[dict[int, list[int]]]  # per step: layer -> expert ids that ran
 

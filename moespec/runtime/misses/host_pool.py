@@ -6,7 +6,7 @@ A missed expert either moves to the device (a P-element copy into a cache slot) 
 weights are: its t token rows go to the host (d2h, t x H), the host computes the expert from its
 store row (pinned memory on CUDA; packed MXFP4 rows are dequantised there by the layout), and only
 the [t, H] output comes back (h2d). Fiddler (Kamahori et al. 2024) and llama.cpp's ``--cpu-moe``
-do the same for every routed expert; here it is chosen per miss (miss_policy.py).
+do the same for every routed expert; here it is chosen per miss (planner.py).
 
 The pool runs beside the compute thread: the device computes the resident experts while the workers
 compute the misses. On CPU "host" and "device" are the same processor, but the path is still its
@@ -35,7 +35,7 @@ import torch
 
 from moespec.errors import OptionError
 from moespec.models.base import ExpertLayout
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.store import ExpertStore
 
 
 @dataclass(frozen=True)

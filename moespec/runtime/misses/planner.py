@@ -48,7 +48,7 @@ import torch
 
 from moespec.config import OnMiss
 from moespec.errors import OptionError
-from moespec.runtime.host_compute import HostExpertPool, HostResult, host_forward
+from moespec.runtime.misses.host_pool import HostExpertPool, HostResult, host_forward
 
 _BENCH_TOKENS = (1, 16)
 _AVERAGE = 0.2  # weight of a new observation in the running average of host ms
