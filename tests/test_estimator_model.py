@@ -111,7 +111,7 @@ def test_the_runtime_uses_the_file_and_stays_exact(drift, trained, kind):
     save_estimator(default_estimator_path(drift), outcome.file)
     om = load_offloaded(drift, RuntimeConfig(predictor=kind, execute=ExecuteMode.EXACT, cache_experts=6), StatsRecorder())
     try:
-        pred = om.runner.predictor
+        pred = om.policy.predictor
         assert isinstance(pred, EstimatorPredictor) and pred.name == kind.value
         assert pred.modes == ({0: "estimator", 1: "router"} if kind == Predictor.HYBRID else {0: "estimator", 1: "estimator", 2: "router"})
         prompt = list(range(40, 60))

@@ -241,9 +241,9 @@ def test_auto_skips_the_predictor_where_it_does_not_pay(tiny_models, pays):
     rec = StatsRecorder()
     om = load_offloaded(folder, cfg, rec)
     try:
-        om.runner.host.predict_ms, om.runner.host.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
-        om.runner.host.observe_predict = lambda ms: None  # keep the scripted averages
-        om.runner.host.observe_used = lambda used: None
+        om.planner.predict_ms, om.planner.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
+        om.planner.observe_predict = lambda ms: None  # keep the scripted averages
+        om.planner.observe_used = lambda used: None
         toks = list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
     finally:
         om.close()

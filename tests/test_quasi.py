@@ -79,7 +79,7 @@ def test_chat_with_quasi_finds_the_file_and_stays_exact(tiny_models, family):
     om = load_offloaded(folder, RuntimeConfig(predictor=Predictor.QUASI, execute=ExecuteMode.EXACT, cache_experts=5),
                         StatsRecorder())
     try:
-        assert isinstance(om.runner.predictor, QuasiPredictor)
+        assert isinstance(om.policy.predictor, QuasiPredictor)
         prompt = list(range(40, 52))
         got = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=6)))
         summary = summarize(om.recorder.steps)
@@ -100,7 +100,7 @@ def test_a_file_beside_the_model_is_found(tiny_models, tmp_path):
     _write_calibration(folder, folder / BESIDE_MODEL)
     om = load_offloaded(folder, RuntimeConfig(predictor=Predictor.QUASI))
     om.close()
-    assert isinstance(om.runner.predictor, QuasiPredictor)
+    assert isinstance(om.policy.predictor, QuasiPredictor)
 
 
 def test_model_key_of_a_hub_snapshot_is_its_repo_id(tmp_path):

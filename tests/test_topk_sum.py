@@ -28,8 +28,8 @@ def _case(tokens: int, k: int, dtype, wdtype, seed: int = 0):
 def _runner_sum(layout, rows, x, routing, act):
     """What MoeLayerRunner computes: the one-token path for T == 1, the argsort grouping otherwise."""
     if x.shape[0] == 1:
-        return sum_one_token([decode_contribution(x, routing, k, rows[e], layout, act)[1]
-                              for k, e in enumerate(routing.ids[0].tolist())], x)
+        return sum_one_token([decode_contribution(x, routing, k, rows[e], layout, act)[0]
+                              for k, e in enumerate(routing.ids[0].tolist())], routing.weights, x)
     groups = group_by_expert(routing.ids, E)
     acc = TopkSum(x, routing.weights)
     for e in groups.experts:

@@ -10,6 +10,8 @@ counts are the bytes the fake copied, and the per-step stats add up to the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fake_cuda import FakeCudaBackend
@@ -63,7 +65,8 @@ def _load(folder, predictor: str, mode: ExecuteMode, extra_slots: int):
                         fetch_threshold=0.3)
     om = load_offloaded(folder, cfg, StatsRecorder())
     if predictor == "shifted":
-        om.runner.predictor = ShiftedPredictor(om.runner.predictor, om.adapter.num_experts())
+        om.use_policy(dataclasses.replace(om.policy, predictor=ShiftedPredictor(om.policy.predictor,
+                                                                                om.adapter.num_experts())))
     return om
 
 

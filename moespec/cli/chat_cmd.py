@@ -257,10 +257,11 @@ def _answer(session, text: str, out) -> None:
 def _footer(session) -> str:
     """The summary line of the last answer, naming the cache policy (and, unless --on-miss fetch, the
     experts computed on the host per token)."""
+    from moespec.chat.footer import footer
     from moespec.config import OnMiss
 
     om = session.engine.om
-    return session.last.summary.footer(policy=om.cache.policy.value, host=om.runner.on_miss != OnMiss.FETCH)
+    return footer(session.last.summary, policy=om.cache.policy.value, host=om.policy.on_miss != OnMiss.FETCH)
 
 
 def _recover(session, pieces) -> None:

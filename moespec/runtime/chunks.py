@@ -41,22 +41,21 @@ def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str
     """
     engine = Engine(om)
     total, done = sum(len(c) for c in chunks), 0
-    om.runner.observer = observer
     try:
-        for chunk in chunks:
-            engine.reset()
-            try:
-                engine.forward(chunk, "prefill")
-            except StopForward:
-                om.runner.reset_step()
-            if after_chunk is not None:
-                after_chunk()
-            done += len(chunk)
-            if progress is not None:
-                progress(stage, done, total)
+        with om.observing(observer):
+            for chunk in chunks:
+                engine.reset()
+                try:
+                    engine.forward(chunk, "prefill")
+                except StopForward:
+                    om.reset_step()
+                if after_chunk is not None:
+                    after_chunk()
+                done += len(chunk)
+                if progress is not None:
+                    progress(stage, done, total)
     finally:
-        om.runner.observer = None
-        om.runner.reset_step()
+        om.reset_step()
         engine.reset()
 
 

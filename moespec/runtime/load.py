@@ -23,11 +23,13 @@ from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NoPredictor
 from moespec.predict.factory import make_predictor
 from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
+from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.checkpoint import iter_tensors, safetensors_files
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.store import ExpertStore
+from moespec.runtime.layer.policy import LayerPolicy
 from moespec.runtime.layer.runner import MoeLayerRunner
 from moespec.runtime.model import OffloadedModel, OffloadedMoeBlock, wire_recorder
 from moespec.runtime.stats import NullRecorder, StatsRecorder
@@ -187,7 +189,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     # Both budgets are checked before anything is allocated or pinned.
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
     # A missing calibration file fails here, before anything is allocated.
-    policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
+    cache_policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = None
@@ -196,8 +198,9 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
         recorder = recorder or NullRecorder()
         wire_recorder(recorder, engine)
-        runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
-        runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
+        # Until the routers are loaded: no prediction, misses fetched (use_policy below sets cfg's).
+        runner = MoeLayerRunner(adapter, cache, PrefetchLedger(cache), recorder,
+                                LayerPolicy(NoPredictor(adapter, []), cfg.execute))
 
         refs = []
         for i in moe_layers:
@@ -213,12 +216,12 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
         if saved is not None and not from_cache:
             saved.save(store)
-        rule, note = _rule_factory(cfg, policy, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
+        rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
-        runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
+        predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
                             [note] if note else [])
-        om.set_on_miss(cfg.on_miss)
+        om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
         if om is not None:
             om.close()

@@ -3,22 +3,29 @@
 Every sparse MoE block of the model instance is an OffloadedMoeBlock that hands its router input to
 the layer runner (runtime/layer); the runner reads experts through the device cache (runtime/cache),
 which copies them from the host store (runtime/host) through the transfer engine (runtime/transfer).
-runtime/load.py builds one.
+runtime/load.py builds one. What a job may change or watch, it does through OffloadedModel: the
+policy (``use_policy``), an observer (``observing``), the routings (``recording_routings``), the
+stats recorder (``set_recorder``); the MoE layers are ``layer_refs()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from moespec.config import OnMiss, RuntimeConfig
-from moespec.models.base import MoeAdapter
+from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import LayerRef
+from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.store import ExpertStore
+from moespec.runtime.layer.observer import Observer, RoutingLog
+from moespec.runtime.layer.policy import LayerPolicy
 from moespec.runtime.layer.runner import MoeLayerRunner
 from moespec.runtime.misses.host_pool import HostExpertPool, default_host_threads
 from moespec.runtime.misses.planner import MissPlanner, measure_costs
@@ -51,7 +58,6 @@ class OffloadedMoeBlock(nn.Module):
         return (out, None) if self._returns_scores else out
 
 
-
 @dataclass
 class OffloadedModel:
     """A loaded model and its offloading runtime.
@@ -59,10 +65,14 @@ class OffloadedModel:
     Attributes:
         model: the transformers CausalLM (dense parts on ``device``, MoE blocks offloaded).
         config: its transformers config.
-        adapter, store, cache, runner: the runtime parts.
+        adapter, store, cache, runner: the runtime parts (the runner is the runtime's own: jobs go
+            through the methods below).
         device, dtype: where and how dense parts and slots live.
         path: the checkpoint folder.
+        runtime_config: what it was loaded with.
         notes: one-line notes for the user about how it was loaded (e.g. a cache policy fallback).
+        planner: the miss planner and its host pool, made when a policy first runs misses on the host
+            (``--on-miss host|auto``); None until then.
     """
 
     model: nn.Module
@@ -76,6 +86,28 @@ class OffloadedModel:
     path: Path
     runtime_config: RuntimeConfig
     notes: list[str] = field(default_factory=list)
+    planner: MissPlanner | None = None
+
+    # --- what the MoE layers run with ------------------------------------------------------
+    @property
+    def policy(self) -> LayerPolicy:
+        """How the MoE layers run now."""
+        return self.runner.policy
+
+    def use_policy(self, policy: LayerPolicy) -> None:
+        """Run the MoE layers with ``policy`` from the next forward on. The first policy that runs
+        misses on the host starts the host pool and benchmarks the costs (misses.planner.measure_costs).
+
+        Raises:
+            OptionError: the host cannot compute this model's experts (names --on-miss).
+        """
+        if policy.on_miss != OnMiss.FETCH and self.planner is None:
+            first = self.model.model.layers[self.store.moe_layers[0]].mlp
+            what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
+            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
+            threads = self.runtime_config.host_threads or default_host_threads(self.device)
+            self.planner = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
+        self.runner.use_policy(policy, self.planner)
 
     @property
     def recorder(self) -> StatsRecorder:
@@ -87,21 +119,24 @@ class OffloadedModel:
         wire_recorder(recorder, self.cache.engine)
         self.runner.recorder = recorder
 
-    def set_on_miss(self, mode: OnMiss) -> None:
-        """Where cache misses run from now on; the first host/auto use starts the host pool and
-        benchmarks the costs (misses.planner.measure_costs).
-
-        Raises:
-            OptionError: the host cannot compute this model's experts (names --on-miss).
-        """
+    @contextlib.contextmanager
+    def observing(self, observer: Observer) -> Iterator[Observer]:
+        """Hand every MoE layer's routing and expert outputs to ``observer`` (layer/observer.py) until
+        the block ends; the observer before it is attached again afterwards."""
         runner = self.runner
-        if mode != OnMiss.FETCH and runner.host is None:
-            first = self.model.model.layers[self.store.moe_layers[0]].mlp
-            what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
-            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
-            threads = self.runtime_config.host_threads or default_host_threads(self.device)
-            runner.host = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
-        runner.on_miss = mode
+        before, runner.observer = runner.observer, observer
+        try:
+            yield observer
+        finally:
+            runner.observer = before
+
+    @contextlib.contextmanager
+    def recording_routings(self) -> Iterator[dict[int, Routing]]:
+        """Within the block, the yielded dict holds, after each forward, the routing every MoE layer
+        ran with (layer -> Routing, ids/weights [T, K]; an observer, so no other one runs meanwhile)."""
+        log = RoutingLog()
+        with self.observing(log):
+            yield log.routings
 
     def layer_refs(self) -> list[LayerRef]:
         """The MoE layers, in order, as predictors and observers see them (router input norm, block)."""
@@ -109,24 +144,35 @@ class OffloadedModel:
         return [LayerRef(layer=i, norm=layers[i].post_attention_layernorm, block=layers[i].mlp)
                 for i in self.store.moe_layers]
 
+    # --- the state a forward leaves ------------------------------------------------------------
+    @property
+    def ledger(self) -> PrefetchLedger:
+        """The prefetch pins held for later layers."""
+        return self.runner.ledger
+
+    def reset_step(self) -> None:
+        """Drop what a forward left behind (prefetch pins, predictions); the engine does it before each."""
+        self.runner.reset_step()
+
+    def abort(self) -> None:
+        """After a forward that raised: cancel queued copies, drop every pin and the forward's state."""
+        self.runner.abort()
+
+    def drop_prefetches(self) -> int:
+        """After a generation stopped between tokens: cancel the queued prefetch copies and drop the
+        prefetch pins (MoeLayerRunner.drop_prefetches); returns the copies cancelled before they ran."""
+        return self.runner.drop_prefetches()
+
     def max_context(self) -> int:
         """The model's context length in tokens."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
 
     def close(self) -> None:
         """Finish every copy and host job, stop the transfer engine, then unpin the host store."""
-        if self.runner.host is not None:
-            self.runner.host.close()
+        if self.planner is not None:
+            self.planner.close()
         self.cache.engine.close()
         self.store.close()
-
-
-def _wire_recorder(recorder: StatsRecorder, engine) -> None:
-    """A recording recorder synchronizes through the engine before reading clocks; the engine makes
-    timing events only while one records."""
-    if recorder.enabled:
-        recorder.synchronize = engine.synchronize
-    engine.set_timing(recorder.enabled)
 
 
 def wire_recorder(recorder: StatsRecorder, engine) -> None:

@@ -2,8 +2,8 @@
 
 Shapes: M MoE layers, E experts per layer, K top-k.
 
-A rule only picks the victim among the cache's evictable slots (unpinned, cache area) and learns
-from each use; the cache (slots.py) owns slots, pins and copies. Scores are in "expected uses per
+A rule only picks the victim among the cache's evictable slots (unpinned) and learns from each
+use; the cache (slots.py) owns slots, pins and copies. Scores are in "expected uses per
 token at the key's layer", so keys of different layers compare.
 
 - ``lru``: the least recently released slot.
@@ -32,8 +32,7 @@ from moespec.artifacts import find_calibration, model_key
 from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy
 from moespec.errors import CalibrationError
 from moespec.predict.calibration_file import load_calibration, load_checked
-
-Key = tuple[int, int]  # (decoder layer index, expert id)
+from moespec.runtime.cache.slot import Key, Slot
 
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
 LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
@@ -47,7 +46,7 @@ class EvictionRule:
     def used(self, key: Key) -> None:
         """``key`` was acquired for compute (a hit or a miss)."""
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
         return next(iter(order), None)
 
@@ -67,10 +66,10 @@ class LfuRule(EvictionRule):
         """Retention value of ``key`` (higher is kept)."""
         return self.count.get(key, 0.0)
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         best, best_score = None, float("inf")
         for slot in order:  # oldest first: a strict < keeps the LRU slot among equal scores
-            key = key_of[slot]
+            key = slot.key
             if key is None:
                 return slot
             s = self.score(key)
@@ -112,10 +111,10 @@ class StaticRule(EvictionRule):
     def __init__(self, hot: set[Key]) -> None:
         self.hot = hot
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         first = None
         for slot in order:
-            if key_of[slot] not in self.hot:
+            if slot.key not in self.hot:
                 return slot
             first = slot if first is None else first
         return first
