@@ -106,6 +106,21 @@ def estimator_candidates(model_path: str | Path) -> list[Path]:
     return artifact_candidates(model_path, estimator_path, ESTIMATOR_BESIDE_MODEL)
 
 
+def _find(explicit: str | Path | None, candidates: list[Path], missing_explicit: Callable[[Path], CalibrationError],
+          missing: Callable[[Path], CalibrationError]) -> Path:
+    """``explicit`` when given (it must exist), else the first of ``candidates`` that exists; each
+    refusal is the error its function makes of the path it looked at."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise missing_explicit(path)
+        return path
+    found = first_existing(candidates)
+    if found is None:
+        raise missing(candidates[0])
+    return found
+
+
 def find_calibration(model_path: str | Path, explicit: str | Path | None = None) -> Path:
     """The calibration file for the model at ``model_path``.
 
@@ -116,20 +131,11 @@ def find_calibration(model_path: str | Path, explicit: str | Path | None = None)
         CalibrationError: no file found (the message names `moespec calibrate MODEL`).
     """
     key = model_key(model_path)
-    if explicit is not None:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise CalibrationError(f"calibration file {display_path(path)} does not exist",
-                                   f"run `moespec calibrate {key} --out {display_path(path)}`, or drop --calibration")
-        return path
-    candidates = calibration_candidates(model_path)
-    found = first_existing(candidates)
-    if found is not None:
-        return found
-    raise CalibrationError(
-        f"--predictor quasi needs a calibration file for {key}; none at {display_path(candidates[0])}",
-        f"run `moespec calibrate {key}` first, or use --predictor router",
-    )
+    return _find(explicit, calibration_candidates(model_path), lambda path: CalibrationError(
+        f"calibration file {display_path(path)} does not exist",
+        f"run `moespec calibrate {key} --out {display_path(path)}`, or drop --calibration"), lambda path: CalibrationError(
+        f"--predictor quasi needs a calibration file for {key}; none at {display_path(path)}",
+        f"run `moespec calibrate {key}` first, or use --predictor router"))
 
 
 def describe_estimator(path: Path, flag: str | None = None) -> str:
@@ -151,17 +157,9 @@ def find_estimator(model_path: str | Path, explicit: str | Path | None = None, f
             (names `moespec train-estimator MODEL`).
     """
     key = model_key(model_path)
-    if explicit is not None:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise CalibrationError(f"{describe_estimator(path, flag)} does not exist",
-                                   f"check the path, run `moespec train-estimator {key} --out {display_path(path)}`, "
-                                   f"or drop {flag} to use the file found automatically")
-        return path
-    candidates = estimator_candidates(model_path)
-    found = first_existing(candidates)
-    if found is not None:
-        return found
-    raise CalibrationError(f"--predictor estimator/hybrid needs trained router estimators for {key}; "
-                           f"none at {display_path(candidates[0])}",
-                           f"run `moespec train-estimator {key}` first, or use --predictor quasi or router")
+    return _find(explicit, estimator_candidates(model_path), lambda path: CalibrationError(
+        f"{describe_estimator(path, flag)} does not exist",
+        f"check the path, run `moespec train-estimator {key} --out {display_path(path)}`, "
+        f"or drop {flag} to use the file found automatically"), lambda path: CalibrationError(
+        f"--predictor estimator/hybrid needs trained router estimators for {key}; none at {display_path(path)}",
+        f"run `moespec train-estimator {key}` first, or use --predictor quasi or router"))

@@ -11,7 +11,7 @@ from moespec.errors import OptionError
 
 
 class Predictor(str, enum.Enum):
-    """How the next layer's experts are predicted (design.md, "Predictors")."""
+    """How the next layer's experts are predicted (``--predictor``; moespec/predict)."""
 
     NONE = "none"  # no prefetch: on-demand loading (the paper's baseline)
     ROUTER = "router"  # router_{l+1}(LN_{l+1}(r_l)) (Eliseev & Mazur 2023)
@@ -22,7 +22,7 @@ class Predictor(str, enum.Enum):
 
 
 class ExecuteMode(str, enum.Enum):
-    """What runs at layer l+1 when the prediction was wrong (design.md, "Execution")."""
+    """What runs at layer l+1 when the prediction was wrong (README, "What `exact` means", "Guarded mode")."""
 
     EXACT = "exact"  # true router; missing experts fetched synchronously
     SPECULATIVE = "speculative"  # predicted experts with predicted weights (the paper)
@@ -57,7 +57,7 @@ DEFAULT_FETCH_THRESHOLD = 0.2
 # Measured on the default model (README, "Cache policies"): used when a calibration file is found.
 DEFAULT_CACHE_POLICY = CachePolicy.LFRU
 class OnMiss(str, enum.Enum):
-    """Where an expert that is not in the device cache runs (design.md, "Runtime": where a miss runs)."""
+    """Where an expert that is not in the device cache runs (README, "Where a miss runs")."""
 
     FETCH = "fetch"  # copy it into a slot and compute on the device (on-demand loading)
     HOST = "host"  # compute it on the host from its store row; only its [t, H] output moves

@@ -122,11 +122,12 @@ class MoeLayerRunner:
 
     # --- decode: one token, every mode -------------------------------------------------------
     def _decode(self, block, x: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+        """One token x [1, H] through MoE layer l -> its routed output [1, H] (module docstring's steps)."""
         layer = block.layer
-        residual = self.residual.pop(layer, None)
-        routing, ids = self._route(block, x, stats)  # ids: on the host already when speculated
-        nxt = self.prefetcher.predict(layer, residual, routing)  # l+1's routing, or None
-        routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)
+        residual = self.residual.pop(layer, None)  # r_l [1, 1, H]
+        routing, ids = self._route(block, x, stats)  # route (ids already on the host when speculated)
+        nxt = self.prefetcher.predict(layer, residual, routing)  # predict l+1's routing, or None
+        routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)  # one host read (+ guard)
         self.observer.routing(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(ids)}
         raws: list = [None] * len(ids)  # [1, H] per top-k position
@@ -137,11 +138,11 @@ class MoeLayerRunner:
             raws[k_of[e]] = raw
 
         queued = None
-        if nxt is not None:  # l+1's prefetch goes behind l's demand copies
+        if nxt is not None:  # prefetch l+1 behind l's demand copies
             prediction = Prediction(nxt, nxt_ids)
             queued = lambda: self.prefetcher.prefetch(layer, prediction, self.recorder)  # noqa: E731
-        self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued)
-        return sum_one_token(raws, routing.weights, x)
+        self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued)  # plan misses, stream
+        return sum_one_token(raws, routing.weights, x)  # combine: [1, K, H] * [1, K, 1] summed over K
 
     def _route(self, block, x: torch.Tensor, stats: LayerStats) -> tuple[Routing, list[int] | None]:
         """(true or speculated routing [1, K], its host ids when already known); counters stay on the device."""
