@@ -185,10 +185,11 @@ class ExpertCache:
                 self._protected.discard(slot)
                 return
             self._lru[slot] = None
-            if rec.predicted:
+            state = rec.state
+            if state is PREDICTED or state is UNUSED:
                 self._spare.add(slot)
-            if rec.state is EMPTY or rec.state is RESTORED:  # empty, or the victim it was: reused first
-                if rec.state is RESTORED:
+            elif state is EMPTY or state is RESTORED:  # empty, or the victim it was: reused first
+                if state is RESTORED:
                     rec.state = CACHED
                 self._lru.move_to_end(slot, last=False)
 
@@ -200,11 +201,6 @@ class ExpertCache:
         rec.key = None
         rec.state = EMPTY
 
-    def _hold(self, rec: Slot, key: Key, state: SlotState) -> None:
-        rec.key, rec.state = key, state
-        self._where[key] = rec.index
-        self._by_layer.setdefault(key[0], set()).add(key[1])
-
     def _victim(self, settled: bool) -> int | None:
         """The slot a copy takes: an empty one, else the oldest unused prediction, else the rule's
         victim; among unpinned slots (``settled``: none whose copy is in flight)."""
@@ -215,7 +211,8 @@ class ExpertCache:
 
         if self._spare:  # unpinned unused predictions exist (empty slots are first in the order anyway)
             for rec in order():
-                if rec.state is EMPTY or rec.predicted:
+                state = rec.state  # identity tests: no call per slot on this scan
+                if state is EMPTY or state is PREDICTED or state is UNUSED:
                     return rec.index
         got = self.rule.victim(order())
         return None if got is None else got.index
@@ -225,7 +222,9 @@ class ExpertCache:
         self._spare.discard(slot)
         rec.displaced = rec.key if prefetch else None
         self._evict_to_empty(rec)
-        self._hold(rec, key, PREDICTED if prefetch else CACHED)
+        rec.key, rec.state = key, PREDICTED if prefetch else CACHED
+        self._where[key] = slot
+        self._by_layer.setdefault(key[0], set()).add(key[1])
         rec.ticket = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
         rec.issued_s = time.perf_counter()
         self.copies += 1
@@ -279,7 +278,7 @@ class ExpertCache:
                 rec.pins = 1
                 self.release(slot)  # back to the eviction order (a protected slot is already there)
             rec.ticket = None  # every copy has landed or was dropped
-            if rec.predicted:
+            if rec.state is PREDICTED or rec.state is UNUSED:
                 rec.state = CACHED
             rec.displaced = None
             self._spare.discard(slot)
@@ -298,8 +297,9 @@ class ExpertCache:
             self._pin(slot)
             self.rule.used(key)
             rec = self._slot[slot]
-            prefetched = rec.state is PREDICTED
-            if rec.predicted:
+            state = rec.state
+            prefetched = state is PREDICTED
+            if prefetched or state is UNUSED:
                 rec.state = CACHED
             self._held.discard(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)
@@ -347,7 +347,9 @@ class ExpertCache:
         self.copies -= 1
         back, rec.displaced = rec.displaced, None
         if back is not None and back not in self._where:
-            self._hold(rec, back, RESTORED)
+            rec.key, rec.state = back, RESTORED
+            self._where[back] = slot
+            self._by_layer.setdefault(back[0], set()).add(back[1])
         return True
 
     def mark_unused(self, slot: int) -> bool:

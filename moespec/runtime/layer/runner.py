@@ -227,10 +227,10 @@ class MoeLayerRunner:
         same time; the device's experts run in the order their copies land (``queued()`` runs once the
         layer's demand copies are queued).
         """
-        layer, cache, rec, misses = block.layer, self.cache, self.recorder, self.misses
+        layer, act, cache, rec, misses = block.layer, block.act_fn, self.cache, self.recorder, self.misses
         kept = self.ledger.settle(layer, experts, stats)  # None: nothing was predicted for this layer
-        jobs, device = misses.start(layer, experts, cache, tokens, inputs, block.act_fn, stats)
-        layout, act, engine = cache.store.layout, block.act_fn, cache.engine
+        jobs, device = misses.start(layer, experts, cache, tokens, inputs, act, stats)
+        layout, engine = cache.store.layout, cache.engine
         timed = misses.times_device
         timing = rec.enabled or timed
         used = stats.prefetch_used
