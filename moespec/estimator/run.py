@@ -20,15 +20,19 @@ from typing import Callable
 
 import torch
 
-from moespec.errors import DataError, OptionError
+from moespec.artifacts import find_calibration, model_key
+from moespec.errors import CalibrationError, DataError, OptionError
 from moespec.estimator.collect import (StatesManifest, collect_states, read_manifest, read_vectors,
                                        vectors_digest)
 from moespec.estimator.hybrid import HybridConfig, LayerChoice, choose, predictor_costs
 from moespec.estimator.train import TrainConfig, TrainProgress, TrainResult, train_bank
 from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor, RouterPredictor
+from moespec.predict.calibration_file import config_hash, load_checked, router_fingerprint
+from moespec.predict.estimator import EstimatorPredictor
 from moespec.predict.estimator_file import EstimatorFile
 from moespec.predict.estimator_net import EstimatorBank, EstimatorShape
+from moespec.predict.quasi import QuasiPredictor
 from moespec.runtime.chunks import measure_recall
 
 
@@ -79,10 +83,6 @@ def find_model_calibration(om, explicit: str | None):
     Raises:
         CalibrationError: an explicit file is missing, or the file is corrupt or another model's.
     """
-    from moespec.artifacts import find_calibration
-    from moespec.predict.calibration_file import load_checked
-    from moespec.errors import CalibrationError
-
     try:
         path = find_calibration(om.path, explicit)
     except CalibrationError:
@@ -95,8 +95,6 @@ def find_model_calibration(om, explicit: str | None):
 
 def free_predictors(om, calib) -> dict[str, NextLayerPredictor]:
     """"router", and "quasi" when the model is calibrated."""
-    from moespec.predict.quasi import QuasiPredictor
-
     refs = om.layer_refs()
     out: dict[str, NextLayerPredictor] = {"router": RouterPredictor(om.adapter, refs)}
     if calib is not None:
@@ -182,9 +180,6 @@ def prepare_states(om, plan, layers: list[int], kind: str, calib, folder: Path, 
     Raises:
         DataError: ``reuse`` and the folder holds states of another model, layers or input.
     """
-    from moespec.artifacts import model_key
-    from moespec.predict.calibration_file import config_hash, router_fingerprint
-
     refs = om.layer_refs()
     predictors = free_predictors(om, calib)
     vectors = None
@@ -271,8 +266,6 @@ def fit(om, folder: Path, manifest: StatesManifest, cfg: EstimatorConfig, calib,
 def measure_costs(om, bank: EstimatorBank, vectors: torch.Tensor | None, layers: list[int], calib,
                   repeats: int = 50) -> dict[int, dict[str, float]]:
     """Served layer -> predictor name -> ms per decode token, measured on the model's device and dtype."""
-    from moespec.predict.estimator import EstimatorPredictor
-
     refs = om.layer_refs()
     run_bank = copy.deepcopy(bank).to(device=om.device, dtype=om.dtype)
     inputs = None if vectors is None else {layer: vectors[i].to(om.device) for i, layer in enumerate(layers)}
