@@ -53,7 +53,7 @@ def _still_serving(server) -> None:
     (b'{"model": "mixtral", "messages": [{"role": "robot", "content": "x"}]}', 400, "role", "messages.0.role"),
     (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}', 400,
      "greater than or equal to 0", "temperature"),
-    (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n=1", "n"),
+    (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "n": 9}', 400, "--max-n", "n"),
     (b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}', 404, "'gpt-4o' does not exist", "model"),
 ])
 def test_bad_requests(server, content, status, needle, param):
