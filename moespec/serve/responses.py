@@ -82,8 +82,9 @@ class ResponseFormat:
         tokens, offsets = [], []
         for x in lps:
             offsets.append(offset)
-            tokens.append(self.token_text(x.token_id)[0])
-            offset += len(tokens[-1])
+            token, raw = self.token_text(x.token_id)
+            tokens.append(token)
+            offset += len(bytes(raw).decode("utf-8", "ignore"))  # part of a character: no character yet
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "text_offset": offsets,
                 "top_logprobs": [{self.token_text(t)[0]: v for t, v in x.top} for x in lps]}
 
