@@ -168,10 +168,21 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
                       f"(metrics: /metrics)", highlight=False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
     try:
-        _make_server(config, app.state.queue).run()
-    finally:
-        app.state.queue.close()
-        opened.close()
+        try:
+            _make_server(config, app.state.queue).run()
+        finally:
+            app.state.queue.close()
+            opened.close()
+    except KeyboardInterrupt:
+        import os
+        import sys
+
+        err_console.print("stopped")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Why: everything is closed and moespec writes files atomically; the interpreter's own
+        # teardown of torch takes seconds, and a stopped server must be gone within 2 s.
+        os._exit(130)
 
 
 def _make_server(config, queue):
