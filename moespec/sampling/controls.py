@@ -63,8 +63,8 @@ class TokenControls:
                 or self.top_logprobs is not None)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits [V] (float32) to sample from."""
-        z = logits.float()
+        """The logits [V] (float32, moved to the host: 200 KB for a 49k vocabulary) to sample from."""
+        z = logits.detach().float().cpu()
         if self._counts is not None:
             z = z - self._counts * self.frequency_penalty - (self._counts > 0).float() * self.presence_penalty
         if self._bias is not None:
