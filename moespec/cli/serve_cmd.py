@@ -54,7 +54,8 @@ def _require_serve_extra() -> None:
     """Raises ServeExtraMissing naming the missing package and the install command."""
     import importlib.util
 
-    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client"),
+                            ("llguidance", "llguidance")):
         if importlib.util.find_spec(module) is None:
             raise ServeExtraMissing(f"`moespec serve` needs {package}, which is not installed",
                                     "pip install 'moespec[serve]'")

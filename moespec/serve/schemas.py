@@ -130,6 +130,8 @@ class ChatMessage(_Body):
     refusal: Optional[StrictStr] = None
     function_call: Optional[dict[str, Any]] = None  # legacy; refused in messages.py
     audio: Optional[dict[str, Any]] = None  # refused in messages.py
+    annotations: Optional[list[Any]] = None  # in OpenAI's answers, so clients send it back; not rendered
+    reasoning_content: Optional[StrictStr] = None  # moespec's answers carry it; not rendered
 
 
 class SamplingFields(_Body):
