@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes over one ModelBackend and one GenerationQueue.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
-GET /metrics. A generation request is parsed and checked here (400/404 before it queues),
-then becomes a Job; the handler relays the worker's events as one JSON body or as
-server-sent events. A client that goes away cancels its job: a waiting job leaves the queue,
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions,
+POST /v1/completions, GET /metrics. A generation request is parsed and checked here (body.py,
+plan.py: 400/404 before it queues), then becomes a Job whose choices the worker generates one
+after the other; the handler relays the worker's events as one JSON body or as server-sent
+events. A client that goes away cancels its job: a waiting job leaves the queue,
 a running one stops between tokens (Starlette cancels a stream on disconnect; a watcher task
 also polls for it every ``POLL_S``, which is what a non-streamed request relies on).
 """
