@@ -25,6 +25,7 @@ _THINK = {"open": "<think>", "close": "</think>", "content": "text"}
 _CONTENT = {"content": "text", "content_args": {"strip": False}}
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+NAME, QNAME, ARGS, KV_ARGS = "{name}", "{qname}", "{args}", "{kv_args}"  # placeholders of ToolFormat.call
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,16 @@ class ToolFormat:
     Attributes:
         name: the family ("hermes", "gpt_oss", "mistral", "mistral_v11", "deepseek_v3", "deepseek_v31", "glm").
         response_template: transformers' response template (content, thinking, tool_calls fields).
+        call: one call as written: literal parts (a special token when the tokenizer has it) and the
+            placeholders NAME (the function name), QNAME (it as a JSON string), ARGS (the
+            arguments, JSON per the parameters schema), KV_ARGS (GLM's key/value pairs).
         begin, sep, end: written before the first call, between calls, after the last.
         parallel: the format can carry several calls in one answer.
     """
 
     name: str
     response_template: dict
+    call: tuple[str, ...] = ()
     begin: str = ""
     sep: str = ""
     end: str = ""
@@ -47,24 +52,8 @@ class ToolFormat:
 
     def call_rule(self, name: str, schema_rule: str, params: dict, lit) -> str:
         """The Lark expression of one call of function ``name`` (``schema_rule``: its arguments' rule)."""
-        if self.name == "hermes":
-            return f'{lit("<tool_call>")} "\\n" "{{\\"name\\": " {json.dumps(json.dumps(name))} ", \\"arguments\\": " ' \
-                   f'{schema_rule} "}}" "\\n" {lit("</tool_call>")}'
-        if self.name == "gpt_oss":
-            return (f'{lit("<|channel|>")} "commentary to=functions.{name} " {lit("<|constrain|>")} "json" '
-                    f'{lit("<|message|>")} {schema_rule}')
-        if self.name == "mistral":
-            return f'"{{\\"name\\": " {json.dumps(json.dumps(name))} ", \\"arguments\\": " {schema_rule} "}}"'
-        if self.name == "mistral_v11":
-            return f'{lit("[TOOL_CALLS]")} {json.dumps(name)} {lit("[ARGS]")} {schema_rule}'
-        if self.name == "deepseek_v3":
-            return (f'{lit(DS_CALL)} "function" {lit(DS_SEP)} {json.dumps(name)} "\\n```json\\n" {schema_rule} '
-                    f'"\\n```" {lit(DS_CALL_END)}')
-        if self.name == "deepseek_v31":
-            return f'{lit(DS_CALL)} {json.dumps(name)} {lit(DS_SEP)} {schema_rule} {lit(DS_CALL_END)}'
-        if self.name == "glm":
-            return f'{lit("<tool_call>")} {json.dumps(name + chr(10))} {_glm_args(params, lit)} {lit("</tool_call>")}'
-        raise ValueError(f"no grammar for tool format {self.name!r}")
+        parts = {NAME: json.dumps(name), QNAME: json.dumps(json.dumps(name)), ARGS: schema_rule}
+        return " ".join(_glm_args(params, lit) if p == KV_ARGS else parts.get(p) or lit(p) for p in self.call)
 
 
 def _glm_args(params: dict, lit) -> str:
@@ -87,7 +76,8 @@ HERMES = ToolFormat("hermes", {
     "fields": {"thinking": _THINK,
                "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
                               "transform": {"type": "function", "function": "{content}"}},
-               "content": _CONTENT}}, sep="\n")
+               "content": _CONTENT}},
+    call=("<tool_call>", '\n{"name": ', QNAME, ', "arguments": ', ARGS, "}\n", "</tool_call>"), sep="\n")
 GPT_OSS = ToolFormat("gpt_oss", {
     "start_anchor": "<|start|>assistant",
     "fields": {"thinking": {"open": "<|channel|>analysis<|message|>", "close": "<|end|>", "content": "text"},
@@ -97,13 +87,15 @@ GPT_OSS = ToolFormat("gpt_oss", {
                                               r"(?:<\|constrain\|>\w*)?<\|message\|>",
                               "close": "<|call|>", "repeats": True, "content": "json", "transform": _FN},
                "_header": {"open": "<|start|>assistant", "close_pattern": r"(?=<\|channel\|>)", "content": "text"}}},
+    call=("<|channel|>", "commentary to=functions.", NAME, " ", "<|constrain|>", "json", "<|message|>", ARGS),
     parallel=False)
 MISTRAL = ToolFormat("mistral", {
     "start_anchor": "[/INST]",
     "fields": {"tool_calls": {"open": "[TOOL_CALLS]", "content": "json", "transform_each": True,
                               "transform": {"type": "function",
                                             "function": {"name": "{name}", "arguments": "{arguments}"}}},
-               "content": _CONTENT}}, begin="[TOOL_CALLS][", sep=", ", end="]")
+               "content": _CONTENT}},
+    call=('{"name": ', QNAME, ', "arguments": ', ARGS, "}"), begin="[TOOL_CALLS][", sep=", ", end="]")
 MISTRAL_V11 = ToolFormat("mistral_v11", {
     "start_anchor": "[/INST]",
     # A call ends where the next one's [TOOL_CALLS] starts (or at the end): the close takes the
@@ -111,7 +103,8 @@ MISTRAL_V11 = ToolFormat("mistral_v11", {
     "fields": {"tool_calls": {"open_pattern": r"(?:\[TOOL_CALLS\])?(?P<name>[\w-]+)(?:\[CALL_ID\]\w+)?\[ARGS\]",
                               "close": "[TOOL_CALLS]", "repeats": True, "content": "json",
                               "transform": _FN},
-               "content": _CONTENT}})
+               "content": _CONTENT}},
+    call=("[TOOL_CALLS]", NAME, "[ARGS]", ARGS))
 DEEPSEEK_V3 = ToolFormat("deepseek_v3", {
     "start_anchor": "<｜Assistant｜>",
     "fields": {"thinking": _THINK,
@@ -119,14 +112,17 @@ DEEPSEEK_V3 = ToolFormat("deepseek_v3", {
                               + r"(?P<name>[^\n]+)\n```json\n", "close_pattern": r"\n```" + re.escape(DS_CALL_END) + r"\n?",
                               "repeats": True, "content": "json", "transform": _FN},
                "_calls": {"open": [DS_BEGIN, DS_END], "close_pattern": r"(?=<)|$", "content": "text"},
-               "content": _CONTENT}}, begin=DS_BEGIN, sep="\n", end=DS_END)
+               "content": _CONTENT}},
+    call=(DS_CALL, "function", DS_SEP, NAME, "\n```json\n", ARGS, "\n```", DS_CALL_END), begin=DS_BEGIN,
+    sep="\n", end=DS_END)
 DEEPSEEK_V31 = ToolFormat("deepseek_v31", {
     "start_anchor": "<｜Assistant｜>",
     "fields": {"thinking": _THINK,
                "tool_calls": {"open_pattern": re.escape(DS_CALL) + r"(?P<name>[^<]+)" + re.escape(DS_SEP),
                               "close": DS_CALL_END, "repeats": True, "content": "json", "transform": _FN},
                "_calls": {"open": [DS_BEGIN, DS_END], "close_pattern": r"(?=<)|$", "content": "text"},
-               "content": _CONTENT}}, begin=DS_BEGIN, end=DS_END)
+               "content": _CONTENT}},
+    call=(DS_CALL, NAME, DS_SEP, ARGS, DS_CALL_END), begin=DS_BEGIN, end=DS_END)
 GLM = ToolFormat("glm", {
     "start_anchor": "<|assistant|>",
     "fields": {"thinking": _THINK,
@@ -136,7 +132,8 @@ GLM = ToolFormat("glm", {
                                                               r"<arg_value>(?P<value>.*?)</arg_value>",
                                                "value_parser": {"name": "json", "args": {"allow_non_json": True}}},
                               "transform": _FN},
-               "content": _CONTENT}}, sep="\n")
+               "content": _CONTENT}},
+    call=("<tool_call>", NAME, "\n", KV_ARGS, "</tool_call>"), sep="\n")
 FORMATS = {f.name: f for f in (HERMES, GPT_OSS, MISTRAL, MISTRAL_V11, DEEPSEEK_V3, DEEPSEEK_V31, GLM)}
 
 
