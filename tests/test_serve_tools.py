@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
                                                                            "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "weather in Paris?"}]

@@ -154,7 +154,7 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         _check_model(backend, body.model)
-        specs = completion_choices(body, backend, limits)
+        specs = await asyncio.to_thread(completion_choices, body, backend, limits)
         return await service.respond(request, body, specs, chat=False)
 
     return app

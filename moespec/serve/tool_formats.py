@@ -109,7 +109,8 @@ DEEPSEEK_V3 = ToolFormat("deepseek_v3", {
     "start_anchor": "<｜Assistant｜>",
     "fields": {"thinking": _THINK,
                "tool_calls": {"open_pattern": re.escape(DS_CALL) + "function" + re.escape(DS_SEP)
-                              + r"(?P<name>[^\n]+)\n```json\n", "close_pattern": r"\n```" + re.escape(DS_CALL_END) + r"\n?",
+                              + r"(?P<name>[^\n]+)\n```json\n",
+                              "close_pattern": r"\n```" + re.escape(DS_CALL_END) + r"\n?",
                               "repeats": True, "content": "json", "transform": _FN},
                "_calls": {"open": [DS_BEGIN, DS_END], "close_pattern": r"(?=<)|$", "content": "text"},
                "content": _CONTENT}},
