@@ -1,13 +1,19 @@
-"""Constrained-decoding overhead: TPOT with a JSON schema vs without, through `moespec serve`.
+"""Constrained-decoding overhead: TPOT with a JSON schema vs without, on the default model.
 
-Starts `moespec serve` (default model unless --model) once, then sends paired streamed requests,
-free text and ``response_format: json_schema`` interleaved (A B A B ...), each greedy with the
-same max_tokens; the schema needs a long string, so both run to max_tokens. TPOT is what a
-client sees: (last content chunk - first content chunk) / (chunks - 1). Also times the grammar's
-compile (first request vs cached) and the mask alone (in-process, the same tokenizer). The last
-stdout line is one JSON object.
+Two measurements, each as interleaved pairs (A B A B ...), greedy, the same max_tokens; the
+schema needs a long string, so both arms run to max_tokens.
 
-  python scripts/serve_json_tpot.py [--model PATH] [--tokens 64] [--pairs 5] [-- RUNTIME OPTIONS]
+1. Same tokens (in-process, the server's own code path): a json_schema choice (grammar mask at
+   every step) against the same choice whose processor only replays the tokens the constrained
+   run produced. Both arms run the very same forwards and expert copies, so the ratio is the
+   cost of constrained decoding alone.
+2. End to end (``--server``): `moespec serve` in a subprocess, streamed free-text vs json_schema
+   requests; TPOT as a client sees it ((last chunk - first chunk) / (chunks - 1)). The two arms
+   generate different text, so different experts miss: this ratio includes that, not only the mask.
+
+The last stdout line is one JSON object.
+
+  python scripts/serve_json_tpot.py [--model PATH] [--tokens 64] [--pairs 5] [--server] [-- RUNTIME OPTIONS]
 """
 
 from __future__ import annotations
@@ -67,18 +73,101 @@ def _mask_ms(model: list[str]) -> dict:
             "mask_ms_median": round(statistics.median(times) * 1e3, 3)}
 
 
+class _Replay:
+    """A logits processor that forces a recorded token sequence (the "free" arm of the same-token A/B)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.i = tokens, 0
+
+    def __call__(self, logits):
+        import torch
+
+        out = torch.full_like(logits, float("-inf"))
+        out[self.tokens[min(self.i, len(self.tokens) - 1)]] = 0.0
+        self.i += 1
+        return out
+
+
+def _same_tokens(model: list[str], tokens: int, pairs: int) -> dict:
+    """Arm A: a json_schema choice through the server's code; arm B: its tokens replayed."""
+    import threading
+    from dataclasses import replace
+
+    from moespec.chat.open_model import open_model
+    from moespec.config import ExecuteMode, Predictor, RuntimeConfig
+    from moespec.serve.backend import ModelBackend
+    from moespec.serve.generate import run_choice
+    from moespec.serve.plan import Limits, chat_choices
+    from moespec.serve.schemas import ChatCompletionRequest
+
+    # `moespec serve`'s defaults on this CPU machine (every expert fits: the fastest TPOT, so the
+    # largest ratio a fixed per-token cost can give).
+    cfg = RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, execute=ExecuteMode.EXACT)
+    opened = open_model(model[0] if model else None, cfg)
+    backend, engine = ModelBackend(opened, "m"), opened.engine
+    fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA, "strict": True}}
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": PROMPT}],
+                                                 "max_tokens": tokens, "temperature": 0, "response_format": fmt})
+    (spec,) = chat_choices(body, backend, Limits())
+    original = engine.generate
+
+    def run(s, force: list[int] | None) -> tuple[float, list[int]]:
+        seen, stamps = [], []
+
+        def generate(ids, sampling, stop_ids, processor=None):
+            for t in original(ids, sampling, stop_ids, _Replay(force) if force is not None else processor):
+                stamps.append(time.perf_counter())
+                seen.append(t)
+                yield t
+
+        engine.generate = generate
+        try:
+            run_choice(engine, backend.tokenizer, threading.Lock(), backend.stop_ids, s, threading.Event(),
+                       lambda d: None, lambda: None)
+        finally:
+            engine.generate = original
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3, seen
+
+    _, trace = run(spec, None)  # warm-up: compiles the grammar, fills the expert cache
+    free_spec = replace(spec, controls=None)
+    a, b, ratios = [], [], []
+    for _ in range(pairs):
+        ta, trace = run(spec, None)
+        tb, replayed = run(free_spec, trace)
+        assert replayed == trace
+        a.append(ta)
+        b.append(tb)
+        ratios.append(ta / tb)
+        print(f"same {len(trace)} tokens: json_schema {ta:.2f} ms/token, replayed {tb:.2f} ms/token, "
+              f"ratio {ta / tb:.3f}", flush=True)
+    opened.close()
+    return {"same_tokens_json_ms_median": round(statistics.median(a), 2),
+            "same_tokens_free_ms_median": round(statistics.median(b), 2),
+            "same_tokens_ratio_median": round(statistics.median(ratios), 3),
+            "same_tokens_ratio_min": round(min(ratios), 3), "same_tokens_ratio_max": round(max(ratios), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--server", action="store_true", help="also measure end to end through moespec serve")
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
+    model = [args.model] if args.model else []
+    out = {"tokens": args.tokens, "pairs": args.pairs, **_same_tokens(model, args.tokens, args.pairs),
+           **_mask_ms(model)}
+    if args.server:
+        out.update(_end_to_end(model, args))
+    print(json.dumps(out))
+
+
+def _end_to_end(model: list[str], args) -> dict:
     import httpx2 as httpx
     import openai
 
-    model = [args.model] if args.model else []
     cmd = [sys.executable, "-m", "moespec", "serve", *model, "--port", str(args.port), *args.extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
@@ -104,17 +193,15 @@ def main() -> None:
             free.append(a)
             constrained.append(b)
             ratios.append(b / a)
-            print(f"free {a:.2f} ms/token ({na} chunks)  json_schema {b:.2f} ms/token ({nb} chunks)  "
+            print(f"end to end: free {a:.2f} ms/token ({na} chunks)  json_schema {b:.2f} ms/token ({nb} chunks)  "
                   f"ratio {b / a:.3f}", flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    out = {"model": name, "tokens": args.tokens, "pairs": args.pairs,
-           "tpot_free_ms_median": round(statistics.median(free), 2),
-           "tpot_json_ms_median": round(statistics.median(constrained), 2),
-           "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
-           "ratio_max": round(max(ratios), 3), "first_json_request_ms": round(first_ms, 1), **_mask_ms(model)}
-    print(json.dumps(out))
+    return {"model": name, "e2e_free_ms_median": round(statistics.median(free), 2),
+            "e2e_json_ms_median": round(statistics.median(constrained), 2),
+            "e2e_ratio_median": round(statistics.median(ratios), 3), "e2e_ratio_min": round(min(ratios), 3),
+            "e2e_ratio_max": round(max(ratios), 3), "first_json_request_ms": round(first_ms, 1)}
 
 
 if __name__ == "__main__":
