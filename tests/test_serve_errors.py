@@ -111,6 +111,9 @@ def test_cli_refuses_reachable_host_without_key(tiny_models):
     assert r.exit_code == 2 and "--api-key" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["serve", "--max-queue", "-1"])
     assert r.exit_code == 2 and "--max-queue -1" in r.output
+    for n in ("0", "129"):
+        r = CliRunner().invoke(cli, ["serve", "--max-n", n])
+        assert r.exit_code == 2 and f"--max-n {n}" in r.output and "Traceback" not in r.output
 
 
 def test_help_shows_the_openai_client_example():

@@ -78,7 +78,7 @@ def serve(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens",
                                        help="New tokens when a request sets no max_tokens."),
     max_n: int = typer.Option(8, "--max-n", help="Most choices (n) one request may ask for."),
-    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN",
                                                     help="Origin a browser page may call from (repeatable; "
                                                          "'*' for any)."),
     gpu_memory: Optional[str] = GpuMemory,

@@ -95,9 +95,11 @@ class ToolSupport:
         self.response_template = own or (self.format.response_template if self.format else None)
         self._render = render
         self._supported: Optional[bool] = None
-        self.specials = {t: i for t, i in tokenizer.get_vocab().items() if t in set(tokenizer.all_special_tokens)
-                         or t in {str(a) for a in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                                  if getattr(a, "special", False)}}
+        # Special tokens by text: a marker that is one of these is written as its id in a grammar.
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.specials = {str(a): int(i) for i, a in added.items() if getattr(a, "special", False)}
+        for t in tokenizer.all_special_tokens:
+            self.specials.setdefault(t, tokenizer.convert_tokens_to_ids(t))
 
     def check(self) -> None:
         """Raises ApiError 400 when the chat template does not render tools or no parser fits."""
