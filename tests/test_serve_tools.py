@@ -5,7 +5,6 @@ equal to non-streamed ones, and every family's call grammar parsed back by its r
 from __future__ import annotations
 
 import json
-import sys
 
 import jsonschema
 import pytest
@@ -149,5 +148,11 @@ def test_format_detection(marker, model_type, family):
     assert (found.name if found else None) == family
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    one = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    text = "ok\n" + one + "\n" + one.replace("get_time", "get_weather")
+    for limit, names in ((None, ["get_time", "get_weather"]), (1, ["get_time"])):
+        stream = CallStream(FORMATS["hermes"].response_template, TOOLS, limit)
+        content, _, _ = stream.feed(text)
+        stream.finish()
+        assert [c["function"]["name"] for c in stream.calls] == names and content.startswith("ok")

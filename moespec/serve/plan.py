@@ -139,7 +139,8 @@ def chat_choices(body: ChatCompletionRequest, backend: ModelBackend, limits: Lim
     backend.check(ids, "messages")
     k = (body.top_logprobs or 0) if body.logprobs else None
     controls = _controls(body, backend, grammar, k)
-    parser = partial(CallStream, backend.tools.response_template, tools.tools) if tools.parse else None
+    parser = partial(CallStream, backend.tools.response_template, tools.tools, None if tools.parallel else 1) \
+        if tools.parse else None
     return [ChoiceSpec(j, ids, sampling(body, limits, j), body.stop_strings(), controls, parser)
             for j in range(body.choices())]
 

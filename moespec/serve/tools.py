@@ -142,6 +142,7 @@ class CallStream:
 
     response_template: dict
     tools: list[dict]
+    max_calls: Optional[int] = None  # parallel_tool_calls false: the first call only
     calls: list[dict] = field(default_factory=list)
     failed: bool = False
     raw: str = ""
@@ -183,7 +184,8 @@ class CallStream:
                 reasoning.append(ev["text"])
             elif ev["type"] == "region_close" and ev["field"] == "tool_calls":
                 for call in ev["value"] if isinstance(ev["value"], list) else [ev["value"]]:
-                    new.append(_openai_call(call))
+                    if self.max_calls is None or len(self.calls) + len(new) < self.max_calls:
+                        new.append(_openai_call(call))
         self.calls += new
         return "".join(content), "".join(reasoning), new
 
