@@ -46,13 +46,13 @@ class _Records(logging.Handler):
 def server(tiny_models):
     records = _Records()
     loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "fastapi", "starlette")]
-    for lg in loggers:
-        lg.addHandler(records)
     with serve(tiny_models["mixtral"], ServeSettings(max_n=MAX_N)) as running:
+        for lg in loggers:  # after uvicorn's start: its logging config replaces the handlers it names
+            lg.addHandler(records)
         running.records = records.records
         yield running
-    for lg in loggers:
-        lg.removeHandler(records)
+        for lg in loggers:
+            lg.removeHandler(records)
 
 
 def _valid(value, kind: str, lo, hi) -> bool:
@@ -158,6 +158,8 @@ def test_internal_errors_are_counted(server, monkeypatch):
     r = httpx.post(server.v1 + "/chat/completions", json=_hi(), timeout=120)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     wait_until(lambda: count() == before + 1, "the 500 counted")
-    server.records.clear()  # a server fault is logged with its traceback, as it should be
+    # A server fault is logged with its traceback, as it should be (and this proves the log is watched).
+    wait_until(lambda: any(rec.exc_info for rec in server.records), "the traceback logged")
+    server.records.clear()
     monkeypatch.undo()
     _still_serving(server)
