@@ -53,7 +53,7 @@ def _still_serving(server) -> None:
     (b'{"model": "mixtral", "messages": [{"role": "robot", "content": "x"}]}', 400, "role", "messages.0.role"),
     (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}', 400,
      "greater than or equal to 0", "temperature"),
-    (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n=1", "n"),
+    (b'{"model": "mixtral", "messages": [{"role": "user", "content": "x"}], "n": 9}', 400, "--max-n", "n"),
     (b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}', 404, "'gpt-4o' does not exist", "model"),
 ])
 def test_bad_requests(server, content, status, needle, param):
@@ -111,6 +111,9 @@ def test_cli_refuses_reachable_host_without_key(tiny_models):
     assert r.exit_code == 2 and "--api-key" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["serve", "--max-queue", "-1"])
     assert r.exit_code == 2 and "--max-queue -1" in r.output
+    for n in ("0", "129"):
+        r = CliRunner().invoke(cli, ["serve", "--max-n", n])
+        assert r.exit_code == 2 and f"--max-n {n}" in r.output and "Traceback" not in r.output
 
 
 def test_help_shows_the_openai_client_example():

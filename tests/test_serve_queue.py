@@ -93,8 +93,8 @@ def test_disconnect_mid_stream_stops_at_the_next_token(tiny_models):
         after = _ask(client, name, "after")
         held, release, original = threading.Event(), threading.Event(), engine.generate
 
-        def paused_after_three(ids, sampling, stop_ids):
-            for i, tok in enumerate(original(ids, sampling, stop_ids)):
+        def paused_after_three(ids, sampling, stop_ids, *processor):
+            for i, tok in enumerate(original(ids, sampling, stop_ids, *processor)):
                 if i == 3:  # three tokens are out; hold the fourth until the client has gone
                     held.set()
                     release.wait()

@@ -15,6 +15,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIALS = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+# A Hermes-style template with tools (the shape of Qwen2.5's), for the tool-calling tests.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|assistant|>{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|end|>"
+    "{% elif m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n</tool_response><|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def make_tokenizer(folder: Path):
@@ -161,3 +173,16 @@ def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
                                                                 "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def with_chat_template(src: Path, dest: Path, template: str) -> Path:
+    """A copy of checkpoint ``src`` at ``dest`` whose tokenizer uses chat ``template``."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dest)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.chat_template = template
+    tok.save_pretrained(dest)
+    return dest

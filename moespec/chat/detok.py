@@ -13,18 +13,20 @@ class IncrementalDecoder:
     """Turns token ids, one at a time, into text pieces.
 
     Args:
-        tokenizer: a transformers tokenizer (``decode`` with ``skip_special_tokens=True``).
+        tokenizer: a transformers tokenizer.
+        skip_special_tokens: drop special tokens from the text (False keeps them: tool-call markers).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.shown = ""
 
     def push(self, token_id: int) -> str:
         """Add one token; returns the new final text ("" while a character is incomplete)."""
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
         if full.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         piece = full[len(self.shown):]
@@ -33,7 +35,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """The text held back at the end (an incomplete character decodes as U+FFFD)."""
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
         piece = full[len(self.shown):] if len(full) > len(self.shown) else ""
         self.shown = full
         return piece

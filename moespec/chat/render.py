@@ -30,8 +30,9 @@ class Rendered:
     system_merged: bool = False
 
 
-def _apply(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _apply(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    extra = {"tools": tools} if tools else {}  # only when given: some templates test `tools is defined`
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
     return [int(i) for i in ids]
 
@@ -46,8 +47,10 @@ def merge_system(messages: list[dict]) -> list[dict]:
     return rest
 
 
-def render(tokenizer, messages: list[dict]) -> Rendered:
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Rendered:
     """Token ids of ``messages`` (role/content dicts) plus the assistant prefix.
+
+    ``tools`` (OpenAI/transformers tool dicts) go to the template as its ``tools`` variable.
 
     Without a chat template: "role: content" lines and "assistant:".
 
@@ -58,14 +61,14 @@ def render(tokenizer, messages: list[dict]) -> Rendered:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return Rendered(list(tokenizer(text)["input_ids"]))
     try:
-        return Rendered(_apply(tokenizer, messages))
+        return Rendered(_apply(tokenizer, messages, tools))
     # Why so broad: the template is code from the checkpoint; whatever it raises (jinja2's
     # TemplateError, or a TypeError/KeyError inside a filter) is a template failure.
     except Exception as exc:
         first = exc
     if messages and messages[0]["role"] == "system":
         try:
-            return Rendered(_apply(tokenizer, merge_system(messages)), system_merged=True)
+            return Rendered(_apply(tokenizer, merge_system(messages), tools), system_merged=True)
         except Exception:
             pass
     raise ChatTemplateError(f"the model's chat template failed: {_one_line(first)}",

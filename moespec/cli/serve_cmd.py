@@ -39,6 +39,9 @@ From Python (pip install openai):
 
   print(r.choices[0].message.content)
 
+Tools (tools=[...], tool_choice), JSON output (response_format), logprobs,
+n, logit_bias and penalties work as in OpenAI's API: see the README.
+
 Listening on anything but loopback requires --api-key (or MOESPEC_API_KEY).
 """
 
@@ -51,7 +54,8 @@ def _require_serve_extra() -> None:
     """Raises ServeExtraMissing naming the missing package and the install command."""
     import importlib.util
 
-    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client")):
+    for module, package in (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("prometheus_client", "prometheus-client"),
+                            ("llguidance", "llguidance")):
         if importlib.util.find_spec(module) is None:
             raise ServeExtraMissing(f"`moespec serve` needs {package}, which is not installed",
                                     "pip install 'moespec[serve]'")
@@ -73,6 +77,10 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens",
                                        help="New tokens when a request sets no max_tokens."),
+    max_n: int = typer.Option(8, "--max-n", help="Most choices (n) one request may ask for."),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN",
+                                                    help="Origin a browser page may call from (repeatable; "
+                                                         "'*' for any)."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     predictor: str = PredictorOpt,
@@ -106,6 +114,11 @@ def serve(
     _check_positive(max_queue, "--max-queue", 0)
     _check_positive(max_body_bytes, "--max-body-bytes", 1)
     _check_positive(max_new_tokens, "--max-new-tokens", 1)
+    _check_positive(max_n, "--max-n", 1)
+    if max_n > 128:
+        from moespec.errors import OptionError
+
+        raise OptionError(f"--max-n {max_n} must be at most 128 (OpenAI's limit for n)")
     set_threads(threads)
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
@@ -117,7 +130,8 @@ def serve(
         guard_rule=guard_rule,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                             default_max_tokens=max_new_tokens, default_seed=seed)
+                             default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,
+                             cors_origins=tuple(cors_origin or ()))
     run_server(model, cfg, settings, host, port)
 
 
@@ -153,8 +167,44 @@ def run_server(model: Optional[str], cfg, settings, host: str, port: int) -> Non
     app = create_app(ModelBackend(opened, served_name(model, opened.path)), settings)
     err_console.print(f"serving [bold]{app.state.backend.name}[/] on http://{host}:{port}/v1 "
                       f"(metrics: /metrics)", highlight=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
-    finally:
-        app.state.queue.close()
-        opened.close()
+        try:
+            _make_server(config, app.state.queue).run()
+        finally:
+            app.state.queue.close()
+            opened.close()
+    except KeyboardInterrupt:
+        import os
+        import sys
+
+        err_console.print("stopped")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Why: everything is closed and moespec writes files atomically; the interpreter's own
+        # teardown of torch takes seconds, and a stopped server must be gone within 2 s.
+        os._exit(130)
+
+
+def _make_server(config, queue):
+    """A uvicorn server that stops the generation first when it shuts down."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which stops the generation first when it shuts down (Ctrl-C, SIGTERM).
+
+        Why: uvicorn waits up to timeout_graceful_shutdown for open responses and then cancels
+        them (a CancelledError traceback); stopping the worker first ends every stream within
+        one token (a 503 error event), so shutdown takes well under the 2 s. After it, uvicorn
+        re-raises the signal: SIGINT ends as Ctrl-C (exit 130), SIGTERM as killed by SIGTERM.
+        """
+
+        def __init__(self, config, queue) -> None:
+            super().__init__(config)
+            self.queue = queue
+
+        async def shutdown(self, sockets=None) -> None:
+            self.queue.close(wait=False)
+            await super().shutdown(sockets=sockets)
+
+    return Server(config, queue)

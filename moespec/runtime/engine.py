@@ -16,7 +16,7 @@ forward finished (or dropped when it cannot be).
 from __future__ import annotations
 
 import inspect
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -164,8 +164,13 @@ class Engine:
         self.reused_tokens = common
         return self.forward(ids[common:], "prefill", reused=common)
 
-    def generate(self, ids: list[int], sampling: SamplingConfig, stop_ids: set[int] = frozenset()) -> Iterator[int]:
+    def generate(self, ids: list[int], sampling: SamplingConfig, stop_ids: set[int] = frozenset(),
+                 logits_processor: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Iterator[int]:
         """Yield up to ``sampling.max_new_tokens`` new token ids after prompt ``ids``.
+
+        ``logits_processor`` (optional) maps each step's float32 logits [V] to the logits the token
+        is sampled from (penalties, a grammar mask: moespec/sampling); it learns the sampled token
+        from the caller, who receives every token before the next step runs. None: unchanged logits.
 
         Stops after yielding a token in ``stop_ids`` (it counts as generated, as in transformers
         ``generate``) or when the context is full. The last yielded token has not run through the
@@ -180,6 +185,8 @@ class Engine:
         logits = self.prefill(ids)
         limit = self.om.max_context()
         for i in range(sampling.max_new_tokens):
+            if logits_processor is not None:
+                logits = logits_processor(logits)
             tok = sample_next(logits, sampling, gen)
             yield tok
             if tok in stop_ids or len(self._ids) + 1 >= limit or i + 1 == sampling.max_new_tokens:

@@ -5,7 +5,10 @@ worker thread that owns the Engine, so the KV prefix of a conversation that exte
 previous request is reused exactly as in `moespec chat`. /metrics exposes, next to the usual
 request and latency metrics, what the expert cache is doing, per layer.
 
-Modules: errors (OpenAI error JSON), schemas (request bodies), stops (stop strings),
-queue (FIFO + worker), backend (model side: render, generate), metrics (Prometheus),
-security (API key, body limit), app (the FastAPI routes).
+Modules: errors (OpenAI error JSON), schemas (request bodies, OpenAI's ranges), body (raw bytes
+-> schema), messages (chat messages -> template dicts), plan (a request -> its choices), tools
+and tool_formats (tool calling per model family), generate (one choice on the worker), stops
+(stop strings), queue (FIFO + worker), backend (model side: render, generate), responses (JSON
+and SSE bodies), metrics (Prometheus), security (API key, body limit), app (the FastAPI routes).
+Logits processing (penalties, logit_bias, grammar masks, logprobs) is moespec/sampling.
 """

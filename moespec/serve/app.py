@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes over one ModelBackend and one GenerationQueue.
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
-GET /metrics. A generation request is parsed and checked here (400/404 before it queues),
-then becomes a Job; the handler relays the worker's events as one JSON body or as
-server-sent events. A client that goes away cancels its job: a waiting job leaves the queue,
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions,
+POST /v1/completions, GET /metrics. A generation request is parsed and checked here (body.py,
+plan.py: 400/404 before it queues), then becomes a Job whose choices the worker generates one
+after the other; the handler relays the worker's events as one JSON body or as server-sent
+events. A client that goes away cancels its job: a waiting job leaves the queue,
 a running one stops between tokens (Starlette cancels a stream on disconnect; a watcher task
 also polls for it every ``POLL_S``, which is what a non-streamed request relies on).
 """
@@ -18,18 +19,28 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from moespec.config import SamplingConfig
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
+
 from moespec.errors import MoespecError
-from moespec.serve.backend import GenerationRequest, ModelBackend
+from moespec.serve.backend import ChoiceSpec, ModelBackend
+from moespec.serve.body import parse_body
 from moespec.serve.errors import ApiError
 from moespec.serve.metrics import ServerMetrics
-from moespec.serve.queue import GenerationQueue, Job, QueueFull
+from moespec.serve.plan import Limits, chat_choices, completion_choices
+from moespec.serve.queue import GenerationQueue, Job, QueueClosed, QueueFull
 from moespec.serve.responses import DONE, ResponseFormat, sse
-from moespec.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from moespec.serve.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from moespec.serve.security import Gate
 
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
 _ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+def _endpoint(path: str) -> str:
+    if path in _ENDPOINTS:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class ServeSettings:
         max_body_bytes: largest request body (past it: 413).
         default_max_tokens: new tokens when a request names no max_tokens.
         default_seed: sampling seed when a request names none.
+        max_n: most choices one request may ask for (``n``; past it: 400).
+        cors_origins: origins a browser page may call from (CORS; empty: none).
     """
 
     api_key: str | None = None
@@ -49,6 +62,8 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     default_seed: int = 0
+    max_n: int = 8
+    cors_origins: tuple[str, ...] = ()
 
 
 class _Counted:
@@ -62,14 +77,23 @@ class _Counted:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+        endpoint = _endpoint(scope["path"])
+        started = False
 
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            # An unhandled error becomes Starlette's 500 outside this middleware: count it here.
+            if not started:
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise
 
 
 def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMetrics | None = None,
@@ -85,9 +109,18 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
     app.state.backend, app.state.queue, app.state.metrics, app.state.settings = backend, queue, metrics, settings
     app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_Counted, metrics=metrics)
+    if settings.cors_origins:
+        # Outermost: a browser's preflight (OPTIONS, no credentials) is answered before the key check.
+        # Any request header: the openai SDKs send their own (X-Stainless-*, OpenAI-Organization, ...).
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
     _add_error_handlers(app)
     service = _Service(backend, queue, metrics, settings)
+    limits = Limits(settings.max_n, settings.default_max_tokens, settings.default_seed)
     started = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": backend.name, "object": "model", "created": started, "owned_by": "moespec"}
 
     @app.get("/health")
     async def health() -> dict:
@@ -96,8 +129,12 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": started,
-                                            "owned_by": "moespec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        _check_model(backend, model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -109,15 +146,16 @@ def create_app(backend: ModelBackend, settings: ServeSettings, metrics: ServerMe
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(backend, body.model)
-        ids = backend.chat_ids(body.rendered_messages())
-        return await service.respond(request, body, ids, "messages", chat=True)
+        # Off the event loop: rendering, and compiling a grammar the first time (llguidance: ms to ~1 s).
+        specs = await asyncio.to_thread(chat_choices, body, backend, limits)
+        return await service.respond(request, body, specs, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         _check_model(backend, body.model)
-        ids = backend.text_ids(body.prompt)
-        return await service.respond(request, body, ids, "prompt", chat=False)
+        specs = await asyncio.to_thread(completion_choices, body, backend, limits)
+        return await service.respond(request, body, specs, chat=False)
 
     return app
 
@@ -126,15 +164,6 @@ def _check_model(backend: ModelBackend, name: str) -> None:
     if name != backend.name:
         raise ApiError(404, f"the model {name!r} does not exist; this server serves {backend.name!r}",
                        param="model", code="model_not_found")
-
-
-def _sampling(body: SamplingFields, settings: ServeSettings) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=body.token_limit() or settings.default_max_tokens,
-        temperature=0.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        seed=settings.default_seed if body.seed is None else body.seed,
-    )
 
 
 @dataclass(frozen=True)
@@ -146,26 +175,22 @@ class _Service:
     metrics: ServerMetrics
     settings: ServeSettings
 
-    def _work(self, gen: GenerationRequest):
+    def _work(self, specs: list[ChoiceSpec]):
         def work(job: Job) -> None:  # on the worker thread
-            out = self.backend.generate(job, gen)
-            job.emit("done", out)
-            self.metrics.observe_generation(job, out)
+            outs = self.backend.generate(job, specs)
+            job.emit("done", outs)
+            self.metrics.observe_generation(job, outs)
             self.metrics.observe_cache(self.backend.engine.om.cache)
 
         return work
 
-    async def respond(self, request: Request, body: SamplingFields, ids: list[int], param: str,
-                      chat: bool) -> Response:
-        """Queue the generation of ``ids`` and answer it (JSON, or SSE when ``body.stream``).
+    async def respond(self, request: Request, body: SamplingFields, specs: list[ChoiceSpec], chat: bool) -> Response:
+        """Queue the generation of ``specs`` and answer it (JSON, or SSE when ``body.stream``).
 
         Raises:
-            ApiError: 400 when the prompt does not fit (``param`` names the field), 429 when the
-                queue is full (with Retry-After).
+            ApiError: 429 when the queue is full (with Retry-After); 503 when the server shuts down.
         """
-        self.backend.check(ids, param)
-        gen = GenerationRequest(ids, _sampling(body, self.settings), body.stop_strings())
-        job = Job(work=self._work(gen), loop=asyncio.get_running_loop())
+        job = Job(work=self._work(specs), loop=asyncio.get_running_loop())
         try:
             self.queue.submit(job)
         except QueueFull as full:
@@ -173,10 +198,12 @@ class _Service:
             raise ApiError(429, f"the server is busy: {full.waiting} requests wait for the model "
                                 f"(--max-queue {self.settings.max_queue}); retry after {full.retry_after_s} s",
                            code="queue_full", headers={"Retry-After": str(full.retry_after_s)}) from None
-        fmt = ResponseFormat(self.backend.name, chat)
+        except QueueClosed:
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+        fmt = ResponseFormat(self.backend.name, chat, self.backend.token_text, body.choices())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(request, job, self.queue, fmt, include_usage),
+            return StreamingResponse(_stream(request, job, self.queue, fmt, include_usage, len(specs)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.create_task(_watch(request, job, self.queue))
@@ -184,6 +211,9 @@ class _Service:
             while True:
                 kind, payload = await job.events.get()
                 if kind == "done":
+                    if job.closed:
+                        raise ApiError(503, "the server shut down before the answer was complete",
+                                       code="shutting_down")
                     return JSONResponse(fmt.full(payload))
                 if kind == "error":
                     raise payload
@@ -210,11 +240,12 @@ async def _watch(request: Request, job: Job, queue: GenerationQueue) -> None:
             return
 
 
-async def _stream(request: Request, job: Job, queue: GenerationQueue, fmt: ResponseFormat, include_usage: bool):
+async def _stream(request: Request, job: Job, queue: GenerationQueue, fmt: ResponseFormat, include_usage: bool,
+                  choices: int):
     finished = False
     watcher = asyncio.create_task(_watch(request, job, queue))
     try:
-        first = fmt.first()
+        first = fmt.first(range(choices))
         if first:
             yield first
         while True:
@@ -223,15 +254,21 @@ async def _stream(request: Request, job: Job, queue: GenerationQueue, fmt: Respo
                 events.append(job.events.get_nowait())
             out = []
             for kind, payload in events:
-                if kind == "text":
+                if kind == "delta":
                     out.append(fmt.piece(payload))
+                    continue
+                if kind == "choice":
+                    if not job.closed:
+                        out.append(fmt.last(payload))
                     continue
                 if kind == "gone":
                     return
-                if kind == "done":
-                    out.append(fmt.last(payload))
+                if kind == "done" and not job.closed:
                     if include_usage:
                         out.append(fmt.usage_chunk(payload))
+                elif kind == "done":
+                    out.append(sse(ApiError(503, "the server shut down before the answer was complete",
+                                            code="shutting_down").body()))
                 else:
                     err = payload if isinstance(payload, ApiError) else ApiError(500, f"generation failed: {payload}")
                     out.append(sse(err.body()))
@@ -260,6 +297,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # the client left while sending its body: nobody reads this
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> Response:

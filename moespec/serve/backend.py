@@ -1,65 +1,27 @@
-"""The model side of the server: messages -> token ids, and one generation as text events.
+"""The model side of the server: messages -> token ids, and a request's choices as events.
 
 Rendering and stop ids come from ChatSession (the chat template, generation_config's end-of-turn
 ids), detokenisation from IncrementalDecoder, so the server's text equals `moespec chat`'s for
 the same prompt and settings. ``generate`` runs on the queue's worker thread only (the Engine
 is not thread-safe); tokenizer calls take a lock because fast tokenizers may not be used from
-two threads at once.
+two threads at once. Grammars (structured output, forced tool calls) compile through one
+GrammarCompiler per model, cached per grammar.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass
 
-from moespec.chat.detok import IncrementalDecoder
 from moespec.chat.open_model import OpenedModel
+from moespec.chat.render import render
 from moespec.chat.session import ChatSession
 from moespec.config import SamplingConfig
-from moespec.runtime.stats import StepStats
+from moespec.errors import ChatTemplateError
+from moespec.sampling.grammar import GrammarCompiler
 from moespec.serve.errors import ApiError
+from moespec.serve.generate import ChoiceSpec, FinishReason, Outcome, run_choice  # noqa: F401 (re-exported)
 from moespec.serve.queue import Job
-from moespec.serve.stops import StopMatcher
-
-
-class FinishReason:
-    """OpenAI's finish_reason values (plus "cancelled", never sent: nobody listens)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What the worker needs: prompt ids, sampling, stop strings."""
-
-    ids: list[int]
-    sampling: SamplingConfig
-    stops: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A finished generation.
-
-    Attributes:
-        text: the whole answer (stop string excluded).
-        prompt_tokens: tokens of the prompt; cached_tokens of them reused from the KV cache.
-        completion_tokens: tokens generated (end-of-turn token excluded).
-        finish_reason: "stop", "length" or "cancelled".
-        first_token_s: perf_counter seconds when the first token was ready (None: none came).
-        steps: the recorder's steps of this generation (prefill + decode), for /metrics.
-    """
-
-    text: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    first_token_s: float | None
-    steps: tuple[StepStats, ...]
+from moespec.serve.tools import ToolSupport
 
 
 class ModelBackend:
@@ -78,26 +40,34 @@ class ModelBackend:
         self._session = ChatSession(opened.engine, opened.tokenizer, SamplingConfig())
         self._tok_lock = threading.Lock()
         self.stop_ids = frozenset(self._session.stop_ids())
+        self.vocab_size = int(self.engine.om.config.get_text_config().vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, set(self.stop_ids))
+        self.tools = ToolSupport(self.tokenizer, str(getattr(self.engine.om.config, "model_type", "")),
+                                 self._render_text)
 
     def context_tokens(self) -> int:
         """The model's context length in tokens."""
         return self.engine.om.max_context()
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` through the chat template (+ the assistant prefix).
+    def _render_text(self, messages: list[dict], tools: list[dict]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) through the chat template (+ the assistant prefix).
 
         Raises:
             ApiError: 400 when the chat template refuses the messages (e.g. roles out of order).
         """
-        from jinja2 import TemplateError
-
         try:
             with self._tok_lock:
-                return self._session.prompt_ids(messages)
-        except TemplateError as exc:
-            raise ApiError(400, f"the model's chat template refused the messages: {exc}", param="messages") from None
+                return render(self.tokenizer, messages, tools).ids
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc.message}",
+                           param="messages") from None
 
-    def text_ids(self, prompt: str | list[int]) -> list[int]:
+    def text_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         """Token ids of a raw prompt (a string, or ids checked against the vocabulary).
 
         Raises:
@@ -107,10 +77,23 @@ class ModelBackend:
             vocab = len(self.tokenizer)
             bad = [i for i in prompt if not 0 <= i < vocab]
             if bad:
-                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param=param)
             return list(prompt)
         with self._tok_lock:
             return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (special tokens dropped), as `moespec chat` shows it."""
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """OpenAI's (token, bytes) of one token: its UTF-8 text, or "bytes:\\xNN..." for part of a character."""
+        raw = self.grammars.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8"), list(raw)
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
 
     def check(self, ids: list[int], param: str) -> None:
         """Refuse an empty prompt or one that does not fit the context.
@@ -125,53 +108,25 @@ class ModelBackend:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens "
                                 f"(prompt + answer must fit)", param=param, code="context_length_exceeded")
 
-    def generate(self, job: Job, req: GenerationRequest) -> Outcome:
-        """Generate for ``req`` on this (worker) thread, emitting ("text", piece) events on ``job``.
+    def generate(self, job: Job, specs: list[ChoiceSpec]) -> list[Outcome]:
+        """Generate every choice of ``specs`` in order on this (worker) thread.
 
-        Stops at an end-of-turn token, a stop string, ``max_new_tokens``, the context end, or
-        between tokens once ``job.cancelled`` is set; then drops the prefetches left behind.
+        Emits ("delta", Delta) while a choice runs and ("choice", Outcome) when it ends; stops
+        early once ``job.cancelled`` is set.
         """
-        om = self.engine.om
-        om.recorder.reset()
-        decoder, stopper = IncrementalDecoder(self.tokenizer), StopMatcher(req.stops)
-        parts: list[str] = []
-        finish, first_s, matched = FinishReason.LENGTH, None, False
+        outcomes = []
+        for spec in specs:
+            if job.cancelled.is_set():
+                break
 
-        def emit(text: str) -> None:
-            if text:
-                parts.append(text)
-                job.emit("text", text)
-
-        tokens = self.engine.generate(req.ids, req.sampling, self.stop_ids)
-        try:
-            for tok in tokens:
-                if first_s is None:
-                    first_s = time.perf_counter()
-                if job.cancelled.is_set():
-                    finish = FinishReason.CANCELLED
-                    break
-                if tok in self.stop_ids:
-                    finish = FinishReason.STOP
-                    break
+            def count() -> None:
                 job.tokens += 1
-                with self._tok_lock:
-                    piece = decoder.push(tok)
-                text, matched = stopper.push(piece)
-                emit(text)
-                if matched:
-                    finish = FinishReason.STOP
-                    break
-        finally:
-            tokens.close()
+
+            out = run_choice(self.engine, self.tokenizer, self._tok_lock, self.stop_ids, spec, job.cancelled,
+                             lambda d: job.emit("delta", d), count)
             job.tokens_at_stop = job.tokens
-            om.drop_prefetches()
-        if finish != FinishReason.CANCELLED and not matched:
-            with self._tok_lock:
-                tail = decoder.flush()
-            text, matched = stopper.push(tail)
-            emit(text)
-            if not matched:
-                emit(stopper.flush())
-        steps = tuple(om.recorder.steps)
-        prefilled = sum(s.tokens for s in steps if s.kind == "prefill")
-        return Outcome("".join(parts), len(req.ids), len(req.ids) - prefilled, job.tokens, finish, first_s, steps)
+            outcomes.append(out)
+            job.emit("choice", out)
+            if out.finish_reason == FinishReason.CANCELLED:
+                break
+        return outcomes

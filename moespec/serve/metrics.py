@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.stats import LayerStats
-from moespec.serve.backend import FinishReason, Outcome
+from moespec.serve.generate import FinishReason, Outcome
 from moespec.serve.queue import Job
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -74,18 +74,19 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def observe_generation(self, job: Job, out: Outcome) -> None:
-        """Record one finished generation: latency, tokens, and the recorder's per-layer steps."""
+    def observe_generation(self, job: Job, outs: list[Outcome]) -> None:
+        """Record one finished request (its choices): latency, tokens, the recorder's per-layer steps."""
         self.queue_wait.observe(job.started_s - job.created_s)
-        if out.first_token_s is not None:
-            self.ttft.observe(out.first_token_s - job.created_s)
-        self.prompt_tokens.inc(out.prompt_tokens)
-        self.cached_tokens.inc(out.cached_tokens)
-        self.generation_tokens.inc(out.completion_tokens)
-        if out.finish_reason == FinishReason.CANCELLED:
+        if outs and outs[0].first_token_s is not None:
+            self.ttft.observe(outs[0].first_token_s - job.created_s)
+        for out in outs:
+            self.prompt_tokens.inc(out.prompt_tokens)
+            self.cached_tokens.inc(out.cached_tokens)
+            self.generation_tokens.inc(out.completion_tokens)
+        if any(out.finish_reason == FinishReason.CANCELLED for out in outs):
             self.cancelled.inc()
         per: dict[tuple[int, str], LayerStats] = {}
-        for step in out.steps:
+        for step in (s for out in outs for s in out.steps):
             if step.kind == "decode":
                 self.tpot.observe(step.wall_ms / 1e3)
             for layer, st in step.layers.items():

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 
+class QueueClosed(Exception):
+    """Refused: the server is shutting down."""
+
+
 class QueueFull(Exception):
     """Refused: ``waiting`` jobs wait already; retry after ``retry_after_s`` seconds."""
 
@@ -42,6 +46,7 @@ class Job:
         tokens: tokens generated so far (written by the worker).
         tokens_at_cancel: ``tokens`` when the cancel was requested (None: never cancelled).
         tokens_at_stop: ``tokens`` when the worker stopped generating.
+        closed: the server shut down under this job (its answer is incomplete: 503).
     """
 
     work: Callable[["Job"], None]
@@ -53,6 +58,7 @@ class Job:
     tokens: int = 0
     tokens_at_cancel: Optional[int] = None
     tokens_at_stop: Optional[int] = None
+    closed: bool = False
 
     def emit(self, kind: str, payload: object) -> None:
         """Deliver an event to the request (any thread)."""
@@ -92,8 +98,11 @@ class GenerationQueue:
 
         Raises:
             QueueFull: ``max_waiting`` jobs wait already (one more would exceed --max-queue).
+            QueueClosed: the queue is closing (the server shuts down).
         """
         with self._cv:
+            if self._closing:
+                raise QueueClosed()
             # Why count the running job too: a job that arrived together with others must not be
             # refused only because the worker has not yet taken the first one off the queue.
             busy = len(self._waiting) + (self.running is not None)
@@ -115,17 +124,25 @@ class GenerationQueue:
                 return
         self._changed()
 
-    def close(self) -> None:
-        """Stop the worker: the running job stops at its next token, waiting jobs are dropped."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker: the running job stops at its next token, waiting jobs are dropped.
+
+        Every job not finished is marked ``closed`` and hears "done" (its handler answers 503);
+        ``wait`` joins the worker thread. Idempotent.
+        """
         with self._cv:
             self._closing = True
             if self.running is not None:
+                self.running.closed = True
                 self.running.cancelled.set()
             for job in self._waiting:
+                job.closed = True
                 job.cancelled.set()
+                job.emit("done", [])
             self._waiting.clear()
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if wait:
+            self._thread.join(timeout=30)
 
     def _changed(self) -> None:
         self.on_change(*self.counts())
