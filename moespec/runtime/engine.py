@@ -147,6 +147,19 @@ class Engine:
         if self._kv is not None and not kvcache.truncate(self._kv, len(self._ids)):
             self.reset()  # some layer cannot be cut back: the next prefill starts from scratch
 
+    def truncate(self, keep: int) -> bool:
+        """Cut the KV cache back to its first ``keep`` tokens (scoring: back to the shared context
+        between the choices of one question). Returns False, with the cache dropped (``reset``), when
+        some layer cannot be cut exactly (kv.py): the caller runs the context again.
+        """
+        if keep >= len(self._ids):
+            return True
+        if self._kv is not None and keep > 0 and kvcache.truncate(self._kv, keep):
+            del self._ids[keep:]
+            return True
+        self.reset()
+        return False
+
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Prefill ``ids``, reusing the cached prefix they share with the cached tokens.
 
