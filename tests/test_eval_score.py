@@ -1,5 +1,8 @@
 """Choice log-likelihoods through the decode path equal the prefill path and transformers (float32, 1e-4).
 
+Three paths: DecodeScorer (one token per decode step), PrefillScorer (exact mode's fast path: each
+choice in one forward) and the slow reference prefill_logprob (one prefill from scratch per token).
+
 On every architecture's tiny model (GPT-OSS decodes past its sliding window of 4, where a KV cut
 can fail and the context runs again), for choices sharing a context and for WinoGrande-style choices
 whose contexts differ. An item costs one context prefill whatever its number of choices, and in
@@ -13,7 +16,7 @@ import torch
 from tiny import reference_model
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
-from moespec.eval.score import DecodeScorer, encode_pair, prefill_logprob, shared_length
+from moespec.eval.score import DecodeScorer, PrefillScorer, encode_pair, prefill_logprob, shared_length
 from moespec.runtime.engine import Engine
 from moespec.runtime.offload import load_offloaded
 
@@ -43,17 +46,16 @@ def test_decode_path_equals_prefill_path_and_transformers(folder_of, family):
     k = ref.config.num_experts_per_tok
     om = load_offloaded(folder, RuntimeConfig(cache_experts=2 * k + 1, predictor=Predictor.ROUTER))
     try:
-        scorer = DecodeScorer(Engine(om))
+        scorer, fast = DecodeScorer(Engine(om)), PrefillScorer(Engine(om))
         for pairs in (SHARED, SPLIT, SHARED):  # the third reuses the KV prefix the first left
-            got = scorer.score(pairs)
-            for (ctx, cont), score in zip(pairs, got):
+            for (ctx, cont), score, quick in zip(pairs, scorer.score(pairs), fast.score(pairs)):
                 want = _transformers_logprob(ref, ctx, cont)
                 slow = prefill_logprob(Engine(om, reuse_kv=False), ctx, cont)
-                assert abs(score.logprob - want) < 1e-4, (family, score.logprob, want)
-                assert abs(slow.logprob - want) < 1e-4, (family, slow.logprob, want)
-                assert score.greedy == slow.greedy
+                for got in (score, quick, slow):
+                    assert abs(got.logprob - want) < 1e-4, (family, got.logprob, want)
+                    assert got.greedy == slow.greedy
         if family not in ("gpt_oss", "gpt_oss_mxfp4"):  # sliding window 4: some cuts re-run the context
-            assert scorer.prefills == 3
+            assert scorer.prefills == fast.prefills == 3
     finally:
         om.close()
 

@@ -61,6 +61,9 @@ def eval_(
                                                           "MOESPEC_HOME/eval/MODEL)."),
     fresh: bool = Flag("--fresh", help="Start every arm again instead of resuming its saved results."),
     max_gen_toks: int = typer.Option(256, "--max-gen-toks", help="Most tokens a generation task generates."),
+    exact_path: str = typer.Option("prefill", "--exact-path",
+                                   help="How exact scores choices: prefill (each choice in one forward, fast) or "
+                                        "decode (one token per step, as the other arms); equal within 1e-4."),
     json_out: bool = Flag("--json", help="Print the summary and lm-eval-shaped results as one JSON object."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
@@ -88,6 +91,8 @@ def eval_(
         raise OptionError(f"--limit {limit} must be at least 1", "leave it out to score every item")
     if max_gen_toks < 1:
         raise OptionError(f"--max-gen-toks {max_gen_toks} must be at least 1")
+    if exact_path not in ("prefill", "decode"):
+        raise OptionError(f"--exact-path {exact_path!r} is not valid", "choose one of: prefill, decode")
     chosen = parse_arm_options(execute, predictor, arms, one_threshold(fetch_threshold))
     preds = list(dict.fromkeys(a.predictor for a in chosen))
     check_estimator_use(estimator, preds)
@@ -101,7 +106,7 @@ def eval_(
         on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule)
     check_predictor_files(model, cfg, preds)
     set_threads(threads)
-    _run(model, cfg, loaded, chosen, limit, max_gen_toks, out, fresh, json_out)
+    _run(model, cfg, loaded, chosen, limit, max_gen_toks, out, fresh, json_out, exact_path)
 
 
 def parse_arm_options(execute: str, predictor: str, arms: Optional[str], threshold: float) -> list:
@@ -139,7 +144,7 @@ def _default_out(path: Path) -> Path:
     return moespec_home() / "eval" / model_key(path).replace("/", "--").strip("-")
 
 
-def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out) -> None:
+def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out, exact_path) -> None:
     import json
 
     from moespec.chat.open_model import open_model
@@ -155,7 +160,7 @@ def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out) -> 
             err_console.print("note: the cache holds every expert, so guarded mode skips nothing (it equals exact); "
                               "pass --cache-experts or --gpu-memory", style="yellow", highlight=False)
         ecfg = EvalConfig(out_dir=Path(out).expanduser() if out else _default_out(opened.path), limit=limit,
-                          max_gen_toks=max_gen_toks, fresh=fresh)
+                          max_gen_toks=max_gen_toks, fresh=fresh, exact_path=exact_path)
         try:
             with _Bar() as bar:
                 results = evaluate(opened, cfg, tasks, arms, ecfg, bar.start)

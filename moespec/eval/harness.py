@@ -10,7 +10,8 @@ models only in its own package; importing this module registers ``moespec`` for 
 
 Requests run through the offloading runtime: ``loglikelihood`` by the decode path of
 moespec/eval/score.py (the requests of one document share one context prefill, and every scored
-token comes from a decode step, so speculative and guarded modes act on it), ``generate_until``
+token comes from a decode step, so speculative and guarded modes act on it; exact mode takes the
+equal prefill path unless ``exact_path=decode``), ``generate_until``
 greedily through ``Engine.generate``, ``loglikelihood_rolling`` by lm-eval's rolling windows scored
 the same way. Tokenisation is lm-eval's HF model's (score.encode_pair). model_args: ``pretrained``
 (MODEL, default: the embedded default model) and the runtime options of `moespec chat` by their
@@ -19,12 +20,13 @@ flag names with underscores (``execute``, ``predictor``, ``fetch_threshold``, ``
 
 from __future__ import annotations
 
+import lm_eval.models  # noqa: F401  (lm-eval fills its registry lazily only while it is empty: do it first)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from moespec.errors import OptionError
 from moespec.eval.arms import cold_start
-from moespec.eval.score import DecodeScorer, encode, encode_pair, prefix_token_id
+from moespec.eval.score import DecodeScorer, PrefillScorer, encode, encode_pair, prefix_token_id
 
 # model_args -> build_runtime_config keywords (lm-eval passes batch_size / max_batch_size / device too)
 RUNTIME_ARGS = ("device", "dtype", "gpu_memory", "cache_experts", "execute", "predictor", "fetch_threshold",
@@ -42,7 +44,7 @@ class MoespecLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str | None = None, max_gen_toks: int = 256, threads: int | None = None,
-                 batch_size=1, max_batch_size=None, **runtime) -> None:
+                 exact_path: str = "prefill", batch_size=1, max_batch_size=None, **runtime) -> None:
         super().__init__()
         from moespec.chat.open_model import open_model
         from moespec.cli.common import set_threads
@@ -52,7 +54,7 @@ class MoespecLM(TemplateLM):
         unknown = sorted(set(runtime) - set(RUNTIME_ARGS))
         if unknown:
             raise OptionError(f"model_args: unknown argument {unknown[0]!r}",
-                              f"known: pretrained, max_gen_toks, threads, {', '.join(RUNTIME_ARGS)}")
+                              f"known: pretrained, max_gen_toks, threads, exact_path, {', '.join(RUNTIME_ARGS)}")
         opts = {"device": "auto", "dtype": "auto", "gpu_memory": None, "cache_experts": None, "fetch_threshold": None,
                 "link_gbps": None, **{k: v for k, v in runtime.items() if v is not None}}
         opts["execute"] = enum_option(ExecuteMode, str(opts.get("execute", "exact")), "execute")
@@ -65,7 +67,10 @@ class MoespecLM(TemplateLM):
         self.opened = open_model(pretrained, cfg)
         self.tokenizer = self.opened.tokenizer
         self.engine = self.opened.engine
-        self.scorer = DecodeScorer(self.engine)
+        if exact_path not in ("prefill", "decode"):
+            raise OptionError(f"model_args: exact_path {exact_path!r} is not valid", "choose one of: prefill, decode")
+        fast = cfg.execute == ExecuteMode.EXACT and exact_path == "prefill"  # equal to decode in exact mode
+        self.scorer = (PrefillScorer if fast else DecodeScorer)(self.engine)
         self.max_gen_toks = int(max_gen_toks)
 
     @property

@@ -109,8 +109,9 @@ class Engine:
                               "shorten the prompt or start a new conversation (/reset)")
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], kind: str, reused: int = 0) -> torch.Tensor:
-        """Run ``new_ids`` after the cached tokens; returns last-position logits [V] (float32).
+    def forward(self, new_ids: list[int], kind: str, reused: int = 0, all_logits: bool = False) -> torch.Tensor:
+        """Run ``new_ids`` after the cached tokens; returns last-position logits [V] (float32), or with
+        ``all_logits`` every new position's [T, V] (scoring a continuation in one pass).
 
         ``reused`` (prefill only) is recorded in the step's stats: cached prompt tokens not recomputed.
         On any exception (KeyboardInterrupt included) the runtime is left consistent (module
@@ -126,8 +127,9 @@ class Engine:
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
-            out = om.model(input_ids=inp, use_cache=True, logits_to_keep=1, **{self._cache_kw: self._kv})
-            logits = out.logits[0, -1].float()  # [V]
+            out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                           **{self._cache_kw: self._kv})
+            logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()  # [T, V] or [V]
         except BaseException:
             self.abort()
             raise
