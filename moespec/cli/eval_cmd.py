@@ -46,7 +46,9 @@ def register(app: typer.Typer) -> None:
 def eval_(
     model: Optional[str] = ModelArg,
     tasks: str = typer.Option("arc_easy,boolq,sciq,winogrande,gsm8k", "--tasks", help="Comma list of tasks."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Score the first N items of each task (default: all)."),
+    limit: Optional[str] = typer.Option(None, "--limit",
+                                        help="Score the first N items of each task (default: all); TASK=N sets one "
+                                             "task's, e.g. 200,gsm8k=50."),
     execute: str = typer.Option("exact,speculative,guarded", "--execute",
                                 help="Comma list of modes: exact, speculative, guarded (exact always runs)."),
     predictor: str = typer.Option("router", "--predictor",
@@ -87,8 +89,6 @@ def eval_(
     from moespec.eval.data import load_task
     from moespec.eval.tasks import resolve_tasks
 
-    if limit is not None and limit < 1:
-        raise OptionError(f"--limit {limit} must be at least 1", "leave it out to score every item")
     if max_gen_toks < 1:
         raise OptionError(f"--max-gen-toks {max_gen_toks} must be at least 1")
     if exact_path not in ("prefill", "decode"):
@@ -97,6 +97,7 @@ def eval_(
     preds = list(dict.fromkeys(a.predictor for a in chosen))
     check_estimator_use(estimator, preds)
     specs = resolve_tasks(tasks, data)
+    limits = parse_limits(limit, [s.name for s in specs])
     loaded = [load_task(s.name, s.path) for s in specs]  # a malformed line fails before the model loads
     predicting = next((p for p in preds if p != Predictor.NONE), Predictor.NONE)
     cfg = build_runtime_config(
@@ -106,7 +107,34 @@ def eval_(
         on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule)
     check_predictor_files(model, cfg, preds)
     set_threads(threads)
-    _run(model, cfg, loaded, chosen, limit, max_gen_toks, out, fresh, json_out, exact_path)
+    _run(model, cfg, loaded, chosen, limits, max_gen_toks, out, fresh, json_out, exact_path)
+
+
+def parse_limits(text: Optional[str], tasks: list[str]):
+    """``--limit`` (``N``, ``TASK=N`` or both, comma separated) as run.Limits.
+
+    Raises:
+        OptionError: a value that is not a positive whole number, or a task not in --tasks.
+    """
+    from moespec.errors import OptionError
+    from moespec.eval.run import Limits
+
+    default, per_task = None, {}
+    for part in [p.strip() for p in (text or "").split(",") if p.strip()]:
+        name, _, value = part.rpartition("=")
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < 1:
+            raise OptionError(f"--limit {part} must be at least 1", "leave it out to score every item, e.g. --limit 200,gsm8k=50")
+        if name and name not in tasks:
+            raise OptionError(f"--limit {part}: {name!r} is not in --tasks", f"tasks: {', '.join(tasks)}")
+        if name:
+            per_task[name] = n
+        else:
+            default = n
+    return Limits(default, tuple(per_task.items()))
 
 
 def parse_arm_options(execute: str, predictor: str, arms: Optional[str], threshold: float) -> list:

@@ -27,6 +27,7 @@ class Cell:
     n: int
     score: Interval
     vs_exact: Paired | None  # None for exact itself
+    agree: float = 1.0  # share of items whose answer (chosen choice, generated text) is exact's
 
 
 def paired_items(task: TaskData, results: dict) -> list[str]:
@@ -35,17 +36,28 @@ def paired_items(task: TaskData, results: dict) -> list[str]:
     return [str(it.doc_id) for it in task.items if all(str(it.doc_id) in h for h in have)]
 
 
+def _answer(record: dict):
+    """What an item's record answered: the chosen choice (first maximum) or the generated text."""
+    if "logprobs" in record:
+        lps = record["logprobs"]
+        return max(range(len(lps)), key=lambda i: (lps[i], -i))
+    return record["text"]
+
+
 def summarise(tasks: list[TaskData], arms: list[Arm], results: dict) -> dict[str, dict[str, dict[str, Cell]]]:
     """task -> metric -> arm name -> Cell (arms in order, exact first)."""
     out: dict[str, dict[str, dict[str, Cell]]] = {}
     for task in tasks:
         ids = paired_items(task, results)
+        recs = {a.name: [results[a.name].tasks[task.name]["items"][i] for i in ids] for a in arms}
+        base = [_answer(r) for r in recs[arms[0].name]]
+        agree = {a.name: sum(_answer(r) == b for r, b in zip(recs[a.name], base)) / max(len(ids), 1) for a in arms}
         per_metric: dict[str, dict[str, Cell]] = {}
         for metric in METRICS[task.kind]:
-            scores = {a.name: [float(results[a.name].tasks[task.name]["items"][i][metric]) for i in ids] for a in arms}
+            scores = {a.name: [float(r[metric]) for r in recs[a.name]] for a in arms}
             exact = scores[arms[0].name]
             per_metric[metric] = {a.name: Cell(len(ids), mean_interval(scores[a.name]),
-                                               None if i == 0 else paired(scores[a.name], exact))
+                                               None if i == 0 else paired(scores[a.name], exact), agree[a.name])
                                   for i, a in enumerate(arms)}
         out[task.name] = per_metric
     return out
@@ -57,7 +69,8 @@ def _interval(iv: Interval) -> dict:
 
 def summary_json(model: str, arms: list[Arm], tasks: list[TaskData], results: dict, cells: dict) -> dict:
     """The machine-readable summary: arms (with wall seconds), and per task and metric every arm's
-    score, interval, Δ vs exact with its interval, McNemar p and discordant counts."""
+    score, interval, Δ vs exact with its interval, McNemar p, discordant counts and the share of items
+    answered as exact answered them."""
     arm_rows = [{"name": a.name, "label": a.label, "execute": a.execute.value, "predictor": a.predictor.value,
                  "fetch_threshold": a.threshold,
                  "seconds": sum(t.get("seconds", 0.0) for t in results[a.name].tasks.values())} for a in arms]
@@ -71,7 +84,7 @@ def summary_json(model: str, arms: list[Arm], tasks: list[TaskData], results: di
                 if cell.vs_exact is not None:
                     d = cell.vs_exact
                     row.update(delta=d.delta.value, delta_ci95=[d.delta.low, d.delta.high], p_value=d.p_value,
-                               gained=d.gained, lost=d.lost)
+                               gained=d.gained, lost=d.lost, same_answer_as_exact=cell.agree)
                 metrics[metric][name] = row
         out_tasks[task.name] = {"kind": task.kind, "source": task.source, "sha256": task.sha256, "metrics": metrics}
     return {"model": model, "arms": arm_rows, "tasks": out_tasks}
@@ -83,7 +96,7 @@ def _lm_eval_key(metric: str, stderr: bool = False) -> str:
 
 
 def lm_eval_results(arm: Arm, model: str, device: str, tasks: list[TaskData], originals: dict[str, int],
-                    cells: dict, limit: int | None, seconds: float, max_gen_toks: int) -> dict:
+                    cells: dict, limit, seconds: float, max_gen_toks: int) -> dict:
     """One arm's results in lm-evaluation-harness's results shape (stderr of the mean as lm-eval computes it)."""
     import math
 
@@ -115,7 +128,8 @@ def lm_eval_results(arm: Arm, model: str, device: str, tasks: list[TaskData], or
                       for t in tasks},
         "config": {"model": "moespec", "model_args": f"pretrained={model},execute={arm.execute.value},"
                    f"predictor={arm.predictor.value}" + (f",fetch_threshold={arm.threshold:g}" if arm.threshold is not None else ""),
-                   "batch_size": 1, "device": device, "limit": limit, "bootstrap_iters": 0},
+                   "batch_size": 1, "device": device,
+                   "limit": {t.name: limit.of(t.name) for t in tasks}, "bootstrap_iters": 0},
         "git_hash": None, "date": time.time(), "total_evaluation_time_seconds": f"{seconds:.1f}",
         "moespec_version": __version__,
     }

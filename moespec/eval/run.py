@@ -26,12 +26,24 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 @dataclass(frozen=True)
+class Limits:
+    """``--limit``: the first N items of every task (None: all), except the tasks given their own N."""
+
+    default: Optional[int] = None
+    per_task: tuple[tuple[str, int], ...] = ()
+
+    def of(self, task: str) -> Optional[int]:
+        """The limit of ``task``."""
+        return dict(self.per_task).get(task, self.default)
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """What an evaluation runs and where it keeps its results.
 
     Attributes:
         out_dir: folder of the per-arm result files (created).
-        limit: first N items of each task (None: all).
+        limit: how many items of each task (the first ones).
         max_gen_toks: most generated tokens per generation item.
         fresh: ignore (and overwrite) the saved results.
         exact_path: how the exact arm scores choices: "prefill" (each choice in one forward, score.PrefillScorer)
@@ -39,7 +51,7 @@ class EvalConfig:
     """
 
     out_dir: Path
-    limit: Optional[int] = None
+    limit: Limits = Limits()
     max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
     fresh: bool = False
     exact_path: str = "prefill"
@@ -50,9 +62,10 @@ class EvalConfig:
 ProgressFn = Callable[[Arm, TaskData, int, int], Callable[[], None]]
 
 
-def limited(task: TaskData, limit: Optional[int]) -> TaskData:
-    """``task`` with only its first ``limit`` items."""
-    return task if limit is None else TaskData(task.name, task.kind, task.items[:limit], task.source, task.sha256)
+def limited(task: TaskData, limits: Limits) -> TaskData:
+    """``task`` with only its first ``limits.of(task)`` items."""
+    n = limits.of(task.name)
+    return task if n is None else TaskData(task.name, task.kind, task.items[:n], task.source, task.sha256)
 
 
 def generate_text(engine, tokenizer, context: str, stops: tuple[str, ...], max_gen_toks: int,
@@ -155,7 +168,7 @@ def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
 
 def evaluate(opened, rcfg, tasks: list[TaskData], arms: list[Arm], cfg: EvalConfig,
              progress: Optional[ProgressFn] = None) -> dict[str, ArmResults]:
-    """Run ``arms`` (exact first) on the first ``cfg.limit`` items of ``tasks``; arm name -> its results.
+    """Run ``arms`` (exact first) on the first ``cfg.limit`` items of each task; arm name -> its results.
 
     Every arm's file is opened (and a stale one refused) before the first item runs.
 

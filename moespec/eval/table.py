@@ -9,7 +9,8 @@ from moespec.tables import Column, fit_tables
 
 FOOTNOTE = ("score: acc (multiple choice), exact match of the last number (generation); 2nd: acc_norm (per "
             "character), exact match after \"the answer is\"; 95% CI: bootstrap over items; Δ: arm − exact on "
-            "the same items; p: exact McNemar test; +/−: items only the arm / only exact got right")
+            "the same items; p: exact McNemar test; +/−: items only the arm / only exact got right; same: items "
+            "answered as exact (the same choice, the same generated text)")
 
 
 def _num(x: float, digits: int = 3, signed: bool = False) -> str:
@@ -23,9 +24,10 @@ def _p(p: float) -> str:
 
 def quality_tables(title: str, tasks: list[TaskData], arms: list[Arm], cells: dict, width: int | None) -> list:
     """Rich tables: per task a title row (name, items), then per arm: score, 95% CI, Δ vs exact, p, +/−,
-    second metric."""
+    the share answered as exact, the second metric."""
     key = [Column("arm", justify="left")]
-    cols = [Column("score"), Column("95% CI"), Column("Δ"), Column("p"), Column("+/−"), Column("2nd")]
+    cols = [Column("score"), Column("95% CI"), Column("Δ"), Column("p"), Column("+/−"), Column("same"),
+            Column("2nd")]
     for task in tasks:
         first, second = (cells[task.name][m] for m in METRICS[task.kind])
         key[0].cells.append(f"[bold]{task.name}[/] n={first[arms[0].name].n}")
@@ -38,7 +40,7 @@ def quality_tables(title: str, tasks: list[TaskData], arms: list[Arm], cells: di
             row = [_num(c.score.value), f"{_num(c.score.low, 2)}–{_num(c.score.high, 2)}",
                    "—" if d is None else _num(d.delta.value, signed=True),
                    "" if d is None else _p(d.p_value), "" if d is None else f"+{d.gained}/−{d.lost}",
-                   _num(second[arm.name].score.value)]
+                   "" if d is None else f"{c.agree:.0%}", _num(second[arm.name].score.value)]
             for col, text in zip(cols, row):
                 col.cells.append(text)
     return fit_tables(title, key, cols, width)

@@ -21,7 +21,7 @@ SUFFIXES = (".jsonl.gz", ".jsonl")
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task by name: its file, and the metric its table row shows first."""
+    """A task by name: its file, and whether it is one of the vendored tasks."""
 
     name: str
     path: Path
