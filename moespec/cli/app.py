@@ -45,7 +45,8 @@ def _root(
 ) -> None:
     """Run Mixture-of-Experts models with experts offloaded to host memory and prefetched ahead."""
 
-for _name in ("chat_cmd", "download_cmd", "calibrate_cmd", "profile_cmd", "estimator_cmd", "serve_cmd"):
+for _name in ("chat_cmd", "download_cmd", "calibrate_cmd", "profile_cmd", "estimator_cmd", "serve_cmd",
+              "eval_cmd"):
     # Commands land one issue at a time; a module that is not there yet is simply not registered.
     try:
         _mod = importlib.import_module(f"moespec.cli.{_name}")

@@ -109,8 +109,9 @@ class Engine:
                               "shorten the prompt or start a new conversation (/reset)")
 
     @torch.inference_mode()
-    def forward(self, new_ids: list[int], kind: str, reused: int = 0) -> torch.Tensor:
-        """Run ``new_ids`` after the cached tokens; returns last-position logits [V] (float32).
+    def forward(self, new_ids: list[int], kind: str, reused: int = 0, all_logits: bool = False) -> torch.Tensor:
+        """Run ``new_ids`` after the cached tokens; returns last-position logits [V] (float32), or with
+        ``all_logits`` every new position's [T, V] (scoring a continuation in one pass).
 
         ``reused`` (prefill only) is recorded in the step's stats: cached prompt tokens not recomputed.
         On any exception (KeyboardInterrupt included) the runtime is left consistent (module
@@ -126,8 +127,9 @@ class Engine:
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
-            out = om.model(input_ids=inp, use_cache=True, logits_to_keep=1, **{self._cache_kw: self._kv})
-            logits = out.logits[0, -1].float()  # [V]
+            out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                           **{self._cache_kw: self._kv})
+            logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()  # [T, V] or [V]
         except BaseException:
             self.abort()
             raise
@@ -146,6 +148,19 @@ class Engine:
         self.om.abort()
         if self._kv is not None and not kvcache.truncate(self._kv, len(self._ids)):
             self.reset()  # some layer cannot be cut back: the next prefill starts from scratch
+
+    def truncate(self, keep: int) -> bool:
+        """Cut the KV cache back to its first ``keep`` tokens (scoring: back to the shared context
+        between the choices of one question). Returns False, with the cache dropped (``reset``), when
+        some layer cannot be cut exactly (kv.py): the caller runs the context again.
+        """
+        if keep >= len(self._ids):
+            return True
+        if self._kv is not None and keep > 0 and kvcache.truncate(self._kv, keep):
+            del self._ids[keep:]
+            return True
+        self.reset()
+        return False
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Prefill ``ids``, reusing the cached prefix they share with the cached tokens.

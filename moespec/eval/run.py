@@ -1,0 +1,199 @@
+"""Running an evaluation: every arm on the same items of every task, on one loaded model.
+
+Arms run one after the other (``use_arm`` switches the runner); each item starts from an empty
+expert cache (``cold_start``), so its score depends only on the item and the arm. The KV cache keeps
+prefilled positions between items (a few-shot prompt shared by every GSM8K item is prefilled once):
+those are exact in every mode, so reusing them changes nothing but float rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from moespec.config import ExecuteMode, SamplingConfig
+from moespec.errors import DataError
+from moespec.eval.arms import Arm, cold_start, use_arm
+from moespec.eval.data import ChoiceItem, GenerateItem, TaskData
+from moespec.eval.metrics import choice_metrics, generate_metrics
+from moespec.eval.results import ArmResults
+from moespec.eval.score import DecodeScorer, PrefillScorer, encode, encode_pair
+
+# lm-eval's default generation limit (HFLM max_gen_toks); a task's own smaller limit wins.
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``--limit``: the first N items of every task (None: all), except the tasks given their own N."""
+
+    default: Optional[int] = None
+    per_task: tuple[tuple[str, int], ...] = ()
+
+    def of(self, task: str) -> Optional[int]:
+        """The limit of ``task``."""
+        return dict(self.per_task).get(task, self.default)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What an evaluation runs and where it keeps its results.
+
+    Attributes:
+        out_dir: folder of the per-arm result files (created).
+        limit: how many items of each task (the first ones).
+        max_gen_toks: most generated tokens per generation item.
+        fresh: ignore (and overwrite) the saved results.
+        exact_path: how the exact arm scores choices: "prefill" (each choice in one forward, score.PrefillScorer)
+            or "decode" (one token per step, as every other arm); equal within 1e-4 in float32 (tested).
+    """
+
+    out_dir: Path
+    limit: Limits = Limits()
+    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
+    fresh: bool = False
+    exact_path: str = "prefill"
+
+
+# progress(arm, task, total items, items already done) at a task's start; the returned callable is
+# called after each item.
+ProgressFn = Callable[[Arm, TaskData, int, int], Callable[[], None]]
+
+
+def limited(task: TaskData, limits: Limits) -> TaskData:
+    """``task`` with only its first ``limits.of(task)`` items."""
+    n = limits.of(task.name)
+    return task if n is None else TaskData(task.name, task.kind, task.items[:n], task.source, task.sha256)
+
+
+def generate_text(engine, tokenizer, context: str, stops: tuple[str, ...], max_gen_toks: int,
+                  stop_ids: set[int]) -> tuple[str, int]:
+    """Greedy text after ``context`` up to the first stop string (not included), an end id or
+    ``max_gen_toks`` tokens, as lm-eval's generate_until returns it; (text, tokens generated).
+
+    Afterwards the KV cache holds only the prompt (prefilled, exact in every mode).
+    """
+    ids = encode(tokenizer, context)
+    # A stop string that appears ends in the newest token and spans at most 4 bytes (tokens) per
+    # character: decoding that tail each step finds it without decoding the whole text again.
+    tail = 4 * max((len(s) for s in stops), default=0) + 2
+    out: list[int] = []
+    for tok in engine.generate(ids, SamplingConfig(max_new_tokens=max_gen_toks), stop_ids):
+        out.append(tok)
+        if stops and any(s in tokenizer.decode(out[-tail:], skip_special_tokens=True) for s in stops):
+            break
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    for s in stops:  # lm-eval cuts at each stop string in turn
+        text = text.split(s)[0]
+    engine.truncate(len(ids))
+    return text, len(out)
+
+
+def score_item(scorer: DecodeScorer, tokenizer, item, task: TaskData, max_gen_toks: int, stop_ids: set[int]) -> dict:
+    """One item's record: log-likelihoods and acc/acc_norm, or the generated text and exact matches.
+
+    Raises:
+        DataError: a choice longer than the model's context, or whose continuation encodes to no token.
+        PromptError: a generation prompt beyond the model's context.
+    """
+    engine = scorer.engine
+    if isinstance(item, ChoiceItem):
+        try:
+            pairs = [encode_pair(tokenizer, c, t) for c, t in zip(item.contexts, item.continuations)]
+        except ValueError as exc:
+            raise DataError(f"{task.name} doc_id {item.doc_id}: {exc}", "fix or drop that request line") from None
+        limit = engine.om.max_context()
+        if max(len(c) + len(t) for c, t in pairs) > limit:
+            raise DataError(f"{task.name} doc_id {item.doc_id} is longer than the model's context of {limit} tokens",
+                            "drop that document, or use --limit to stop before it")
+        scores = scorer.score(pairs)
+        lps = [s.logprob for s in scores]
+        return {"logprobs": lps, "greedy": [s.greedy for s in scores], "gold": item.gold,
+                **choice_metrics(lps, item.continuations, item.gold)}
+    assert isinstance(item, GenerateItem)
+    most = min(max_gen_toks, item.max_gen_toks or max_gen_toks)
+    text, n = generate_text(engine, tokenizer, item.context, item.stops, most, stop_ids)
+    return {"text": text, "tokens": n, "answer": item.answer, **generate_metrics(text, item.answer)}
+
+
+def run_arm(opened, arm: Arm, predictor, tasks: list[TaskData], results: ArmResults, cfg: EvalConfig,
+            stop_ids: set[int], progress: Optional[ProgressFn] = None) -> None:
+    """Score every item of ``tasks`` that ``results`` lacks, as ``arm``; saves ``results`` at the end
+    (also when interrupted)."""
+    om = opened.engine.om
+    use_arm(om, arm, predictor)
+    fast = arm.execute == ExecuteMode.EXACT and cfg.exact_path == "prefill"
+    scorer = (PrefillScorer if fast else DecodeScorer)(opened.engine)
+    try:
+        for task in tasks:
+            done = results.records(task.name, task.sha256)
+            todo = [it for it in task.items if str(it.doc_id) not in done]
+            step = progress(arm, task, len(task.items), len(task.items) - len(todo)) if progress else None
+            for item in todo:
+                cold_start(om)
+                t0 = time.perf_counter()
+                record = score_item(scorer, opened.tokenizer, item, task, cfg.max_gen_toks, stop_ids)
+                results.add(task.name, item.doc_id, record, time.perf_counter() - t0)
+                if step is not None:
+                    step()
+    finally:
+        om.reset_step()
+        results.save()
+
+
+def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
+    """What an arm's records depend on (ArmResults refuses a file made with another key).
+
+    Exact records depend only on the model, its dtypes, the scoring path and the generation limit; the other arms also
+    on the predictor, τ, the guard rule and the cache (what is resident decides what a guarded token
+    skips).
+    """
+    from moespec.artifacts import model_key
+    from moespec.predict.calibration_file import config_hash
+
+    om = opened.engine.om
+    key = {"model": model_key(opened.path), "config": config_hash(om.config), "dtype": str(om.dtype),
+           "expert_dtype": rcfg.expert_dtype, "group_size": rcfg.group_size, "execute": arm.execute.value,
+           "max_gen_toks": cfg.max_gen_toks}
+    if arm.execute == ExecuteMode.EXACT:
+        key["path"] = cfg.exact_path
+    else:
+        key.update(predictor=arm.predictor.value, fetch_threshold=arm.threshold, guard_rule=rcfg.guard_rule.value,
+                   cache_slots=om.cache.num_slots, cache_policy=om.cache.policy.value,
+                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path)
+    return key
+
+
+def evaluate(opened, rcfg, tasks: list[TaskData], arms: list[Arm], cfg: EvalConfig,
+             progress: Optional[ProgressFn] = None) -> dict[str, ArmResults]:
+    """Run ``arms`` (exact first) on the first ``cfg.limit`` items of each task; arm name -> its results.
+
+    Every arm's file is opened (and a stale one refused) before the first item runs.
+
+    Raises:
+        OutputError: a result file that is unreadable or was made with other settings or data.
+        DataError, PromptError: an item that cannot be scored (score_item).
+        OptionError, CalibrationError: a predictor that cannot be built.
+    """
+    import dataclasses
+
+    from moespec.chat.render import stop_ids
+    from moespec.predict.factory import make_predictor
+
+    om = opened.engine.om
+    tasks = [limited(t, cfg.limit) for t in tasks]
+    files = {a.name: ArmResults.open(cfg.out_dir / f"{a.name}.json", arm_key(a, opened, rcfg, cfg), cfg.fresh)
+             for a in arms}
+    for a in arms:  # a task whose data changed is refused now, not after the arms before it ran
+        for t in tasks:
+            files[a.name].records(t.name, t.sha256)
+    refs = om.layer_refs()
+    made = {}
+    for p in dict.fromkeys(a.predictor for a in arms):
+        made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(rcfg, predictor=p), opened.path)
+    stops = stop_ids(opened.path, om.config, opened.tokenizer)
+    for a in arms:
+        run_arm(opened, a, made[a.predictor], tasks, files[a.name], cfg, stops, progress)
+    return files
