@@ -166,7 +166,7 @@ def parse_arm_options(execute: str, predictor: str, arms: Optional[str], thresho
 
 
 def _default_out(path: Path) -> Path:
-    from moespec.calibrate.locate import model_key
+    from moespec.artifacts import model_key
     from moespec.paths import moespec_home
 
     return moespec_home() / "eval" / model_key(path).replace("/", "--").strip("-")
@@ -213,7 +213,7 @@ def _write_reports(opened, om, tasks, arms, results, ecfg) -> tuple[dict, dict]:
     and the table's cells."""
     import json
 
-    from moespec.calibrate.locate import model_key
+    from moespec.artifacts import model_key
     from moespec.eval.report import lm_eval_results, summarise, summary_json
     from moespec.eval.run import limited
     from moespec.fsutil import atomic_write_text
