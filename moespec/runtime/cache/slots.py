@@ -15,16 +15,21 @@ takes slots as a miss would"):
   slot's place in the eviction order (a prediction is not a use). The ledger (ledger.py) pins a
   layer's resident predictions before it copies any other, as a layer pins its hits before its
   misses (stream.py).
-- A copy, demand or prefetch, takes the first of: an empty slot; the oldest **unused
-  prediction** (a prefetched expert whose target layer ran without it); the eviction rule's
-  victim (``--cache-policy``, eviction.py). Never a pinned slot; a prefetch never takes one
-  whose copy is still in flight either, and holds at most ``prefetch_slots`` (K) slots with
-  unused copies at once. There is no reserved prefetch area: every slot is cache.
-- So a right prediction evicts, only earlier, what its demand miss would have evicted, and moves
-  the same bytes; a wrong one copies once (a wasted prediction) and its slot is the next to be
-  reused, so it displaces at most the one expert the rule gave up for it. A prefetch whose copy
-  is cancelled before it started (its target layer came first) gives its slot back to the expert
-  it displaced: the slot's bytes were never written.
+- A demand copy takes the first of: an empty slot; the oldest **unused prediction** (a
+  prefetched expert whose target layer ran without it); the eviction rule's victim
+  (``--cache-policy``, eviction.py); never a pinned slot. There is no reserved prefetch area:
+  every slot is cache.
+- A prefetch copy takes exactly the slot its demand miss would take when the target layer runs,
+  or none: the choice is made as if the running layer were done (its slots released, in expert
+  order, behind every other: stream.py) and the slots left to the target's skipped prefetches
+  were gone. When that slot is pinned or in flight now, or ``prefetch_slots`` (K) unused copies
+  are pinned already, the prefetch is skipped and the slot left to its miss. The rules compare
+  keys alike whenever they are asked (eviction.py), and the order a layer's uses or releases come
+  in changes nothing, so a perfect prediction evicts what on-demand loading evicts, only earlier:
+  the same bytes under every policy (tests/test_prefetch_bound.py, random traces). A wrong one
+  copies once (a wasted prediction) and its slot is the next to be reused, so it displaces at
+  most the one expert the rule gave up for it. A prefetch whose copy is cancelled before it
+  started (its target layer came first) gives its slot back to the expert it displaced.
 - A used prediction is an ordinary cache entry: the rule hears of its use as of any other.
 """
 
@@ -32,34 +37,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from moespec.config import CachePolicy
 from moespec.runtime.cache.eviction import EvictionRule
-from moespec.runtime.cache.slot import Key, Slot, SlotState
+from moespec.runtime.cache.slot import Acquired, Key, Slot, SlotState
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 EMPTY, CACHED, PREDICTED, UNUSED, RESTORED = (SlotState.EMPTY, SlotState.CACHED, SlotState.PREDICTED,
                                               SlotState.UNUSED, SlotState.RESTORED)
-
-
-@dataclass
-class Acquired:
-    """Result of acquiring an expert for compute.
-
-    Attributes:
-        slot: slot index.
-        hit: the expert was resident (or already in flight) before this request.
-        prefetched: it was there because a prefetch brought it and this is its first use.
-    """
-
-    slot: int
-    hit: bool
-    prefetched: bool
 
 
 class ExpertCache:
@@ -100,6 +89,7 @@ class ExpertCache:
         self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
         self._spare: set[int] = set()  # in _lru and holding a prediction no compute used
         self._held: set[int] = set()  # pinned, holding a prefetch copy not used yet (<= prefetch_slots)
+        self._visit: list[int] = []  # slots the running layer acquired (begin_visit), released in key order
 
     @property
     def policy(self) -> CachePolicy:
@@ -201,19 +191,27 @@ class ExpertCache:
         rec.key = None
         rec.state = EMPTY
 
-    def _victim(self, settled: bool) -> int | None:
-        """The slot a copy takes: an empty one, else the oldest unused prediction, else the rule's
-        victim; among unpinned slots (``settled``: none whose copy is in flight)."""
+    def _victim(self, reserved: set[int] | None = None) -> int | None:
+        """The slot a demand copy takes now: an empty one, else the oldest unused prediction, else the
+        rule's victim, among unpinned slots. With ``reserved`` (a prefetch), the one its demand miss
+        would take: the running layer's slots counted as released and ``reserved`` as gone (module
+        docstring); it may be pinned or in flight now."""
         protected, records = self._protected, self._slot
+        skip = protected if reserved is None else protected | reserved
+        running = () if reserved is None else sorted(
+            (records[s] for s in self._visit if records[s].pins and s not in skip), key=lambda rec: rec.key)
 
         def order():  # lazily: LRU's victim is usually the first slot
-            return (records[s] for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
+            for s in self._lru:
+                if s not in skip:
+                    yield records[s]
+            yield from running
 
         if self._spare:  # unpinned unused predictions exist (empty slots are first in the order anyway)
-            for rec in order():
-                state = rec.state  # identity tests: no call per slot on this scan
-                if state is EMPTY or state is PREDICTED or state is UNUSED:
-                    return rec.index
+            for s in self._lru:
+                state = records[s].state  # identity tests: no call per slot on this scan
+                if s not in skip and (state is EMPTY or state is PREDICTED or state is UNUSED):
+                    return s
         got = self.rule.victim(order())
         return None if got is None else got.index
 
@@ -235,7 +233,7 @@ class ExpertCache:
 
     def _load(self, key: Key) -> int | None:
         """A demand copy of ``key`` into the slot ``_victim`` picks; None when every slot is pinned."""
-        slot = self._victim(settled=False)
+        slot = self._victim()
         if slot is None:
             return None
         del self._lru[slot]
@@ -302,29 +300,40 @@ class ExpertCache:
             if prefetched or state is UNUSED:
                 rec.state = CACHED
             self._held.discard(slot)
+            self._visit.append(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)
         slot = self._load(key)
         if slot is None:
             return None
         self.rule.used(key)
+        self._visit.append(slot)
         return Acquired(slot, hit=False, prefetched=False)
 
-    def prefetch(self, key: Key) -> tuple[int, bool] | None:
-        """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no room).
+    def begin_visit(self, layer: int) -> None:
+        """A layer starts acquiring its experts (stream.py calls it first): the eviction rule's clock
+        moves on, and the slots it acquires from now on are the running layer's (``prefetch``)."""
+        self._visit.clear()
+        self.rule.visit(layer)
 
-        A resident ``key`` is only pinned (no copy, nothing evicted). Otherwise the copy takes the
-        slot a demand miss would (empty, unused prediction, rule's victim), never a pinned or
-        in-flight one, and only while fewer than ``prefetch_slots`` unused prefetch copies are
-        pinned. The pin protects the slot until the caller releases it after the target layer ran.
+    def prefetch(self, key: Key, reserved: set[int] | None = None, copy: bool = True) -> tuple[int, bool] | None:
+        """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no copy).
+
+        A resident ``key`` is only pinned (nothing evicted). Otherwise the copy takes exactly the slot
+        its demand miss would take, or none (module docstring; ``copy`` False: the caller's budget is
+        spent), and then that slot joins ``reserved``, the slots the target layer's skipped
+        prefetches leave to their misses (one set per prediction; None: a fresh one). The pin
+        protects the slot until the caller releases it after the target layer ran.
         """
         slot = self._where.get(key)
         if slot is not None:
             self._protect(slot)
             return slot, False
-        if len(self._held) >= self.prefetch_slots:
-            return None
-        slot = self._victim(settled=True)
+        reserved = set() if reserved is None else reserved
+        slot = self._victim(reserved)
         if slot is None:
+            return None
+        if not copy or len(self._held) >= self.prefetch_slots or self._slot[slot].pins or self.in_flight(slot):
+            reserved.add(slot)
             return None
         del self._lru[slot]
         return self._copy_into(slot, key, prefetch=True), True
