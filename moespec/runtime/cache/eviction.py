@@ -43,6 +43,9 @@ class EvictionRule:
     """LRU: the victim is the first of ``order`` (slots in release order, oldest and empties first)."""
 
     policy = CachePolicy.LRU
+    # The last layer's experts are evicted only when nothing else can go: a prefetch for the next
+    # layer picks its slot while they are pinned, so its demand miss must pick the same (slots.py).
+    keeps_last_visit = True
 
     def used(self, key: Key) -> None:
         """``key`` was acquired for compute (a hit or a miss)."""

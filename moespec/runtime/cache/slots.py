@@ -17,8 +17,8 @@ takes slots as a miss would"):
   misses (stream.py).
 - A demand copy takes the first of: an empty slot; the oldest **unused prediction** (a
   prefetched expert whose target layer ran without it); the eviction rule's victim
-  (``--cache-policy``, eviction.py); never a pinned slot. There is no reserved prefetch area:
-  every slot is cache.
+  (``--cache-policy``, eviction.py) among the others but the layer before's, then among those;
+  never a pinned slot. There is no reserved prefetch area: every slot is cache.
 - A prefetch copy takes exactly the slot its demand miss would take when the target layer runs,
   or none: the choice is made as if the running layer were done (its slots released, in expert
   order, behind every other: stream.py) and the slots left to the target's skipped prefetches
@@ -35,6 +35,7 @@ takes slots as a miss would"):
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 from typing import Callable
@@ -90,6 +91,8 @@ class ExpertCache:
         self._spare: set[int] = set()  # in _lru and holding a prediction no compute used
         self._held: set[int] = set()  # pinned, holding a prefetch copy not used yet (<= prefetch_slots)
         self._visit: list[int] = []  # slots the running layer acquired (begin_visit), released in key order
+        self._last: set[int] = set()  # the slots the visit before it acquired, if of another layer
+        self._visit_layer: int | None = None
 
     @property
     def policy(self) -> CachePolicy:
@@ -193,26 +196,32 @@ class ExpertCache:
 
     def _victim(self, reserved: set[int] | None = None) -> int | None:
         """The slot a demand copy takes now: an empty one, else the oldest unused prediction, else the
-        rule's victim, among unpinned slots. With ``reserved`` (a prefetch), the one its demand miss
+        rule's victim, among unpinned slots; the slots of the layer before (if another layer) only
+        when no other is evictable (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch), the one its demand miss
         would take: the running layer's slots counted as released and ``reserved`` as gone (module
         docstring); it may be pinned or in flight now."""
-        protected, records = self._protected, self._slot
-        skip = protected if reserved is None else protected | reserved
-        running = () if reserved is None else sorted(
-            (records[s] for s in self._visit if records[s].pins and s not in skip), key=lambda rec: rec.key)
+        protected, records, rule = self._protected, self._slot, self.rule
+        if reserved is None:
+            back_set = self._last if rule.keeps_last_visit else ()
+            skip = protected.union(back_set) if back_set else protected
+            back = lambda: (records[s] for s in self._lru if s in back_set and s not in protected)  # noqa: E731
+        else:
+            skip = protected | reserved
+            running = [records[s] for s in self._visit if records[s].pins and s not in skip]
+            back = lambda: iter(sorted(running, key=lambda rec: rec.key))  # noqa: E731 (released in key order)
 
-        def order():  # lazily: LRU's victim is usually the first slot
-            for s in self._lru:
-                if s not in skip:
-                    yield records[s]
-            yield from running
+        def front():  # lazily: LRU's victim is usually the first slot
+            return (records[s] for s in self._lru if s not in skip)
 
         if self._spare:  # unpinned unused predictions exist (empty slots are first in the order anyway)
-            for s in self._lru:
-                state = records[s].state  # identity tests: no call per slot on this scan
-                if s not in skip and (state is EMPTY or state is PREDICTED or state is UNUSED):
-                    return s
-        got = self.rule.victim(order())
+            for rec in front():
+                state = rec.state  # identity tests: no call per slot on this scan
+                if state is EMPTY or state is PREDICTED or state is UNUSED:
+                    return rec.index
+        if rule.keeps_last_visit:
+            got = rule.victim(front()) or rule.victim(back())
+        else:
+            got = rule.victim(itertools.chain(front(), back()))
         return None if got is None else got.index
 
     def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
@@ -312,7 +321,8 @@ class ExpertCache:
     def begin_visit(self, layer: int) -> None:
         """A layer starts acquiring its experts (stream.py calls it first): the eviction rule's clock
         moves on, and the slots it acquires from now on are the running layer's (``prefetch``)."""
-        self._visit.clear()
+        self._last = set(self._visit) if layer != self._visit_layer else set()
+        self._visit, self._visit_layer = [], layer
         self.rule.visit(layer)
 
     def prefetch(self, key: Key, reserved: set[int] | None = None, copy: bool = True) -> tuple[int, bool] | None:
