@@ -70,9 +70,8 @@ class ExpertCache:
         self.store = store
         self.engine = engine
         self.num_slots = num_slots
-        if prefetch_slots is None:
-            prefetch_slots = num_slots // 2
-        self.prefetch_slots = max(0, min(prefetch_slots, num_slots - 1))
+        default = num_slots // 2 if prefetch_slots is None else prefetch_slots
+        self.prefetch_slots = max(0, min(default, num_slots - 1))
         self._make_rule = rule or EvictionRule
         self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
         self.expert_bytes = store.expert_bytes  # what one copy moves
@@ -90,9 +89,9 @@ class ExpertCache:
         self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
         self._spare: set[int] = set()  # in _lru and holding a prediction no compute used
         self._held: set[int] = set()  # pinned, holding a prefetch copy not used yet (<= prefetch_slots)
-        self._visit: list[int] = []  # slots the running layer acquired (begin_visit), released in key order
-        self._last: set[int] = set()  # the slots the visit before it acquired, if of another layer
-        self._visit_layer: int | None = None
+        # The running layer (begin_visit) and the slots it acquired; the slots of the visit before, if
+        # of another layer (a demand copy takes them last: _victim).
+        self._visit_layer, self._visit, self._last = None, [], set()
 
     @property
     def policy(self) -> CachePolicy:
@@ -113,9 +112,8 @@ class ExpertCache:
         return self._by_layer.get(layer, set())
 
     def resident_first(self, layer: int, experts: list[int]) -> list[int]:
-        """``experts`` of ``layer`` with the resident ones first, each group in the given order: the
-        order a layer pins its hits before its misses, and a prediction its resident experts before
-        copying others, so no copy evicts an expert the same request needs."""
+        """``experts`` of ``layer``, resident ones first, each group in the given order (a layer pins its
+        hits before its misses, a prediction its resident experts): no copy evicts what it needs."""
         resident = self.resident_experts(layer)
         return [e for e in experts if e in resident] + [e for e in experts if e not in resident]
 
@@ -328,11 +326,10 @@ class ExpertCache:
     def prefetch(self, key: Key, reserved: set[int] | None = None, copy: bool = True) -> tuple[int, bool] | None:
         """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no copy).
 
-        A resident ``key`` is only pinned (nothing evicted). Otherwise the copy takes exactly the slot
-        its demand miss would take, or none (module docstring; ``copy`` False: the caller's budget is
-        spent), and then that slot joins ``reserved``, the slots the target layer's skipped
-        prefetches leave to their misses (one set per prediction; None: a fresh one). The pin
-        protects the slot until the caller releases it after the target layer ran.
+        A resident ``key`` is only pinned. Otherwise the copy takes exactly the slot its demand miss
+        would take, or none (module docstring; ``copy`` False: the budget is spent) and that slot joins
+        ``reserved``, the slots left to the target layer's misses (one set per prediction). The pin
+        holds until the caller releases it after the target layer ran.
         """
         slot = self._where.get(key)
         if slot is not None:
@@ -375,18 +372,15 @@ class ExpertCache:
         """A prefetch copy whose target layer ran without it becomes UNUSED (the next copy's slot);
         True when ``slot`` held such a copy (a wasted prediction), False otherwise."""
         rec = self._slot[slot]
-        if rec.state is PREDICTED:
-            rec.state = UNUSED
-            return True
-        return False
+        wasted = rec.state is PREDICTED
+        rec.state = UNUSED if wasted else rec.state
+        return wasted
 
     def landed(self, key: Key) -> bool:
         """True when ``key`` is resident and its copy has finished (no stall to read it); no host sync."""
         slot = self._where.get(key)
-        if slot is None:
-            return False
-        ticket = self._slot[slot].ticket
-        return ticket is None or self.engine.landed(ticket)
+        ticket = None if slot is None else self._slot[slot].ticket
+        return slot is not None and (ticket is None or self.engine.landed(ticket))
 
     def copy_age_ms(self, key: Key) -> float:
         """Milliseconds since the copy of resident ``key`` was issued (the miss planner's estimate of how
@@ -402,8 +396,5 @@ class ExpertCache:
     def wait(self, slot: int) -> Span | None:
         """Make compute wait for the copy into ``slot``; returns the stall span or None if none pending."""
         rec = self._slot[slot]
-        ticket = rec.ticket
-        if ticket is None:
-            return None
-        rec.ticket = None
-        return self.engine.wait(ticket)
+        ticket, rec.ticket = rec.ticket, None
+        return None if ticket is None else self.engine.wait(ticket)
