@@ -9,6 +9,7 @@ from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
 from moespec.runtime.layer.gate import PROBE_EVERY, PredictionGate
 from moespec.runtime.load import load_offloaded
+from moespec.runtime.stats import StatsRecorder
 
 
 def test_closes_when_nothing_is_saved_and_probes():
@@ -54,8 +55,8 @@ def test_unknown_link_speed_keeps_a_layer_whose_copies_are_used():
     assert not gate.report()[1]["open"]
 
 
-def _decode(path, predictor, execute=ExecuteMode.EXACT, slots=None, n=12):
-    om = load_offloaded(path, RuntimeConfig(predictor=predictor, execute=execute, cache_experts=slots))
+def _decode(path, predictor, execute=ExecuteMode.EXACT, slots=None, n=12, rec=None):
+    om = load_offloaded(path, RuntimeConfig(predictor=predictor, execute=execute, cache_experts=slots), rec)
     try:
         engine, out = Engine(om), []
         with torch.inference_mode():
@@ -72,9 +73,15 @@ def _decode(path, predictor, execute=ExecuteMode.EXACT, slots=None, n=12):
 def test_every_expert_resident_stops_predicting_and_stays_exact(tiny_models):
     path = tiny_models["qwen3_moe"]
     none, _ = _decode(path, Predictor.NONE)
-    router, report = _decode(path, Predictor.ROUTER)
+    rec = StatsRecorder()
+    router, report = _decode(path, Predictor.ROUTER, rec=rec)
     assert router == none
     assert report and all(not r["open"] and r["skipped"] > 0 for r in report.values()), report
+    # The stats say so per layer: every layer but the last predicted once, then was gated.
+    decode = [s for s in rec.steps if s.kind == "decode"]
+    for layer, r in report.items():
+        assert sum(s.layers[layer].predicted for s in decode) == r["ran"] == 1
+        assert sum(s.layers[layer].predict_gated for s in decode) == r["skipped"] == len(decode) - 1
 
 
 def test_speculative_mode_has_no_gate(tiny_models):

@@ -143,6 +143,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
             "weighted_recall": _ratio(st.weighted_hit, st.weighted_total), "skipped": st.skipped / n,
             "host_computed": st.host_computed / n, "host_ms": st.host_ms / n, "d2h_bytes": st.d2h_bytes / n,
             "host_h2d_bytes": st.host_h2d_bytes / n, "skipped_mass": st.skipped_mass / n,
+            "predicted": st.predicted / n, "predict_gated": st.predict_gated / n,
         } for layer, st in sorted(per_layer.items())],
     }
 

@@ -27,6 +27,8 @@ _PER_LAYER = _obj({
     "prefetch_wasted": _NUM, "h2d_bytes": _NUM, "stall_ms": _NUM, "compute_ms": _NUM, "layer_ms": _NUM,
     "recall": _NUM_OR_NULL, "weighted_recall": _NUM_OR_NULL, "skipped": _NUM,
     "host_computed": _NUM, "host_ms": _NUM, "d2h_bytes": _NUM, "host_h2d_bytes": _NUM, "skipped_mass": _NUM,
+    # decode visits per token at which the layer predicted the next one / the prediction gate skipped it
+    "predicted": _NUM, "predict_gated": _NUM,
 }, required=["layer", "hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted", "h2d_bytes", "stall_ms",
              "compute_ms", "layer_ms", "recall", "weighted_recall", "skipped"])
 

@@ -22,7 +22,7 @@ from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.layer.gate import PredictionGate
 from moespec.runtime.misses.handlers import FetchMisses
-from moespec.runtime.stats import StatsRecorder
+from moespec.runtime.stats import LayerStats, StatsRecorder
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,9 @@ class NoPrefetcher:
         """The prediction made for ``layer`` by the layer before it (consumed), or None."""
         return None
 
-    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing) -> Routing | None:
-        """The predicted routing of the MoE layer after ``layer`` [1, K] (on the device), or None."""
+    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing, stats: LayerStats) -> Routing | None:
+        """The predicted routing of the MoE layer after ``layer`` [1, K] (on the device), or None;
+        ``stats``: ``layer``'s, where a prediction made or gated is counted."""
         return None
 
     def clear(self) -> None:
@@ -74,15 +75,17 @@ class Prefetcher(NoPrefetcher):
     def take(self, layer: int) -> Prediction | None:
         return self.predicted.pop(layer, None)
 
-    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing) -> Routing | None:
+    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing, stats: LayerStats) -> Routing | None:
         if residual is None or not self.misses.pays():
             return None
         if self.gate is not None and self.predictor.target(layer) is not None and not self.gate.admits(layer):
+            stats.predict_gated += 1
             return None
         t0 = time.perf_counter()
         # `used` is the true routing in exact/guarded, as NextLayerPredictor says
         nxt = self.predictor.predict(layer, residual.reshape(-1, residual.shape[-1]), used)
         self._predict_s = time.perf_counter() - t0
+        stats.predicted += nxt is not None
         return nxt
 
     def prefetch(self, layer: int, prediction: Prediction, recorder: StatsRecorder) -> None:

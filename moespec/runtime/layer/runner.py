@@ -130,7 +130,7 @@ class MoeLayerRunner:
         layer = block.layer
         residual = self.residual.pop(layer, None)  # r_l [1, 1, H]
         routing, ids = self._route(block, x, stats)  # route (ids already on the host when speculated)
-        nxt = self.prefetcher.predict(layer, residual, routing)  # predict l+1's routing, or None
+        nxt = self.prefetcher.predict(layer, residual, routing, stats)  # predict l+1's routing, or None
         routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)  # one host read (+ guard)
         self.observer.routing(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(ids)}
