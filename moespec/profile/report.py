@@ -187,7 +187,19 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
         "trace": {"source": first.source if first else "", "gen": cfg.gen,
                   "prompts": [{"prompt_len": p, "token_sha256": t.sha256()} for p, t in prof.traces.items()]},
         "results": results,
+        "copy_share": _copy_share(prof, results),
     }
+
+
+def _copy_share(prof: ProfileRun, results: list[dict]) -> dict | None:
+    """``--copy-share``: what was asked, the probe, the link set and the share reached per prompt length
+    (by the timed on-demand arm; None without one)."""
+    share = prof.copy_share
+    if share is None:
+        return None
+    reached = {str(r["prompt_len"]): share.reached(r["tpot_ms"]["mean"]) for r in results if r["strategy"] == "none"}
+    return {"asked": share.asked, "probe_tpot_ms": share.probe_tpot_ms, "bytes_per_token": share.bytes_per_token,
+            "link_gbps": share.link_gbps, "reached": reached}
 
 
 def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "--out") -> None:

@@ -107,6 +107,8 @@ REPORT_SCHEMA = {
             {"prompt_len": _INT, "token_sha256": _STR})}}),
         "results": {"type": "array", "items": _RESULT},
         "policy_hit_rates": {"type": "object"},  # optional: prompt length -> policy -> hit rates
+        # optional (--copy-share): asked, probe_tpot_ms, bytes_per_token, link_gbps, reached (prompt len -> share)
+        "copy_share": {"type": ["object", "null"]},
     }, required=["schema_version", "kind", "created", "versions", "hardware", "model", "options", "cache", "link",
                  "trace", "results"]),
 }
