@@ -98,7 +98,7 @@ def profile(
     link_gbps: Optional[float] = LinkGbps,
     copy_share: Optional[float] = typer.Option(
         None, "--copy-share", help="Set the emulated link (CPU) so on-demand copies are this share of on-demand "
-                                   "TPOT, from an unthrottled on-demand probe in the same run (e.g. 0.75)."),
+                                   "TPOT, from an unthrottled on-demand probe in the same run (e.g. 0.75; replaces --link-gbps)."),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
     estimator: Optional[str] = EstimatorPath,
     data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
@@ -129,7 +129,7 @@ def profile(
         return
     from moespec.profile.copy_share import check_copy_share
 
-    check_copy_share(copy_share, link_gbps, device)
+    check_copy_share(copy_share, device)
     # a missing calibration/estimator file is refused first, before torch loads (under a second)
     from moespec.profile.strategy import parse_on_miss_list, parse_strategies
 

@@ -38,8 +38,9 @@ class CopyShare:
         return (tpot_none_ms - self.probe_tpot_ms) / tpot_none_ms if tpot_none_ms > 0 else None
 
 
-def check_copy_share(share: float | None, link_gbps: float | None, device: str) -> None:
-    """Refuse a share outside (0, 1), one with --link-gbps, or one off the CPU's emulated link.
+def check_copy_share(share: float | None, device: str) -> None:
+    """Refuse a share outside (0, 1) or off the CPU's emulated link (with --link-gbps too, the share
+    decides: the link given only serves the model's load).
 
     Raises:
         OptionError: one line naming --copy-share.
@@ -48,8 +49,6 @@ def check_copy_share(share: float | None, link_gbps: float | None, device: str) 
         return
     if not 0.0 < share < 1.0:
         raise OptionError(f"--copy-share {share} must be between 0 and 1 (e.g. 0.75)")
-    if link_gbps is not None:
-        raise OptionError("--copy-share sets the emulated link itself", "drop --link-gbps or --copy-share")
     if not device.startswith("cpu"):
         raise OptionError(f"--copy-share needs the emulated link of --device cpu, not {device}",
                           "pass --device cpu, or drop --copy-share")
