@@ -57,6 +57,10 @@ def test_profile_reports_the_share(tmp_path):
     assert share["asked"] == 0.75 and share["probe_tpot_ms"] > 0 and share["bytes_per_token"] > 0
     assert rep["link"]["emulated_gbps"] == pytest.approx(share["link_gbps"])
     assert 0.0 < share["reached"]["6"] < 1.0  # measured, not asserted to a timing
+    by = {r["strategy"]: r for r in rep["results"]}
+    assert by["none"]["gate"] is None  # nothing predicts
+    assert [g["layer"] for g in by["oracle"]["gate"]] == [0]  # the layer that predicts the last one
+    assert by["oracle"]["gate"][0]["ran"] >= 1 and "why" in by["oracle"]["gate"][0]
 
 
 @pytest.mark.parametrize("args, says", [

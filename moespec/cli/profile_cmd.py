@@ -156,11 +156,16 @@ def profile(
     from moespec.profile.report import write_json
 
     render_report(report, out_console, wide=wide)
+    for res in report["results"]:  # where the prediction gate stopped predicting, and why
+        closed = [g for g in res.get("gate") or () if not g["open"]]
+        if closed:
+            out_console.print(f"{res['strategy']} (prompt {res['prompt_len']}): prediction gated at layer "
+                              + ", ".join(f"{g['layer']} ({g['why']})" for g in closed))
     share = report.get("copy_share")
     if share:
         reached = ", ".join(f"{v:.2f} at prompt {p}" for p, v in share["reached"].items() if v is not None)
         out_console.print(f"copies: share asked {share['asked']:.2f}, reached {reached or 'n/a (no none arm)'}; "
-                          f"link set to {share['link_gbps']:.3g} GB/s", soft_wrap=True)
+                          f"link set to {share['link_gbps']:.3g} GB/s")
     if out is not None:
         write_json(out, report, force=True)
         err_console.print(f"[dim]report written to {out}[/]")

@@ -135,6 +135,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
                    "prefetched": tot.prefetched, "prefetch_used": tot.prefetch_used, "h2d_bytes": tot.h2d_bytes,
                    "copy_bytes": copy_bytes},
         "token_sha256": runs[0].token_sha256,
+        "gate": getattr(runs[-1], "gate", None),  # per source layer: open, ran, skipped, saving/cost ms, why
         "per_layer": [{
             "layer": layer, "hits": st.hits / n, "misses": st.misses / n, "prefetched": st.prefetched / n,
             "prefetch_used": st.prefetch_used / n, "prefetch_wasted": st.prefetch_wasted / n,

@@ -97,6 +97,7 @@ class RunRecord:
     steps: list[StepRecord]
     token_sha256: str
     prefill: LayerStats | None = None  # the prefill step summed over layers (where its experts ran)
+    gate: list[dict] | None = None  # the prediction gate per source layer at the run's end (gate.py)
 
 
 @dataclass
@@ -243,7 +244,9 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
-    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill), timeline
+    gate = getattr(om.runner.prefetcher, "gate", None)
+    gated = None if gate is None else [{"layer": layer, **g} for layer, g in gate.report().items()]
+    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill, gated), timeline
 
 
 def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],

@@ -75,13 +75,14 @@ _RESULT = _obj({
                     "prefetch_used": _INT, "h2d_bytes": _INT, "copy_bytes": _INT}),
     "token_sha256": _STR,
     "per_layer": {"type": "array", "items": _PER_LAYER},
+    "gate": {"type": ["array", "null"]},  # the prediction gate per source layer (runtime/layer/gate.py)
 })
 # Reports written before --on-miss have none of these: optional, so they still load.
 _RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host",
                                                                            "tpot_runs_ms", "fetch_threshold",
                                                                            "skipped_mass_per_token",
                                                                            "skipped_mass_per_layer",
-                                                                           "substituted_per_token", "vs_exact")]
+                                                                           "substituted_per_token", "vs_exact", "gate")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
