@@ -9,8 +9,10 @@ the link's measured ms per expert copy (the transfer engine's busy time per copy
 
     saving = used x c        cost = predict_ms + wasted x 2c        (running averages per layer)
 
-Layer l predicts while saving >= cost; else it skips and re-measures with one probe in every
-``PROBE_EVERY`` of its decode visits, so a layer whose routing becomes predictable comes back.
+Layer l predicts while saving >= cost (decided after ``MIN_OUTCOMES`` predicted visits, whose
+fastest prediction seeds predict_ms; later ones are clamped to 4x it: a first call or a preempted
+layer is not the cost); else it skips and re-measures with one probe in
+every ``PROBE_EVERY`` of its decode visits, so a layer whose routing becomes predictable comes back.
 With every expert resident nothing is copied (saving 0), so a prediction that costs anything
 stops after the first measurements. Until a layer has a measurement it predicts. Speculative
 mode has no gate (a speculated layer runs its prediction); ``--on-miss auto`` has its own
@@ -24,7 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROBE_EVERY = 64  # decode visits of a closed layer between probes
+MIN_OUTCOMES = 4  # outcomes a layer is measured on before the gate may close it
 _AVERAGE = 0.1  # weight of a new observation in the running averages
+_STEP_CLAMP = 4.0  # one predict_ms observation counts at most this many times the average (a preempted
+#                    layer, a first call, is not the cost)
 
 
 @dataclass
@@ -34,7 +39,8 @@ class LayerGate:
     Attributes:
         used, wasted: prefetch copies per predicted visit that the next layer used / never used.
         predict_ms: main-thread ms of one prediction and its prefetch issue.
-        open: whether the layer predicts now; since_probe: closed visits since the last probe.
+        open: whether the layer predicts now; outcomes: predicted visits measured; since_probe: closed
+            visits since the last probe.
         ran, skipped: decode visits that predicted / that the gate skipped.
     """
 
@@ -42,6 +48,7 @@ class LayerGate:
     wasted: float | None = None
     predict_ms: float | None = None
     open: bool = True
+    outcomes: int = 0
     since_probe: int = 0
     ran: int = 0
     skipped: int = 0
@@ -77,7 +84,10 @@ class PredictionGate:
     def observe_predict(self, layer: int, ms: float) -> None:
         """``layer``'s prediction and prefetch issue took ``ms`` on the main thread."""
         g = self.layers.setdefault(layer, LayerGate())
-        g.predict_ms = _fold(g.predict_ms, ms)
+        if g.predict_ms is None or g.outcomes < MIN_OUTCOMES:  # the fastest of the first: one-time costs out
+            g.predict_ms = ms if g.predict_ms is None else min(g.predict_ms, ms)
+        else:
+            g.predict_ms = _fold(g.predict_ms, min(ms, _STEP_CLAMP * g.predict_ms))
 
     def observe_outcome(self, layer: int, used: int, wasted: int) -> None:
         """The layer ``layer`` predicted has run: ``used`` of its prefetch copies were used, ``wasted``
@@ -85,8 +95,9 @@ class PredictionGate:
         g = self.layers.setdefault(layer, LayerGate())
         g.used = _fold(g.used, used)
         g.wasted = _fold(g.wasted, wasted)
+        g.outcomes += 1
         saving, cost = self.saving_cost(layer)
-        g.open = saving is None or saving >= cost
+        g.open = g.outcomes < MIN_OUTCOMES or saving is None or saving >= cost
 
     def saving_cost(self, layer: int) -> tuple[float | None, float]:
         """(saving ms, cost ms) per predicted visit of ``layer``; saving None while not measured."""
