@@ -7,6 +7,11 @@ copy moves one expert. A layout knows its parts (name -> shape, in packing order
 checkpoint part lands in a row, and how to run the expert straight from a row on the device (so a
 packed format such as MXFP4 is moved packed and expanded only after the copy). The default is
 transformers 5's fused SwiGLU: [gate_up (2I*H, "halves": gate rows then up rows) | down (H*I)].
+
+Compute: a SwiGLU layout names its two Linear-shaped weights (:meth:`ExpertLayout.linear_weights`,
+views of the row: float tensors or low-bit weights) and :meth:`forward` multiplies through
+moespec.kernels.linear, which runs the CPU kernels where the row is on the CPU (a host row, a CPU
+slot) and F.linear elsewhere; the host pool splits the same two products across its threads.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from moespec.kernels.linear import linear
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,25 @@ class ExpertLayout:
         return ("gate", "up") if part == "gate_up" else (part,)
 
     # --- compute ---------------------------------------------------------------------------
+    act_int8 = False  # the CPU kernels keep activations in the compute dtype (QuantLayout may not)
+
+    def linear_weights(self, row: torch.Tensor) -> tuple:
+        """The two Linear-shaped weights of a row: gate_up [2I, H] and down [H, I] (views, no copy)."""
+        return self.unpack(row)
+
+    @staticmethod
+    def glu(gate_up: torch.Tensor, act) -> torch.Tensor:
+        """[t, 2I] (gate, up halves) -> [t, I]: act(gate) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [t, I] each
+        return act(gate) * up
+
     def forward(self, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
-        """Raw output [t, H] of the expert in ``row`` for its tokens ``x`` [t, H]: down(act(gate(x)) * up(x))."""
-        gate_up, down = self.unpack(row)
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [t, I] each
-        return F.linear(act(gate) * up, down)  # [t, H]
+        """Raw output [t, H] of the expert in ``row`` for its tokens ``x`` [t, H]: down(act(gate(x)) * up(x)).
+
+        Computed where ``row`` is: tokens on another device (device tokens, a host row) go to the
+        row's device, and only the [t, H] output comes back.
+        """
+        gate_up, down = self.linear_weights(row)
+        xr = x.to(row.device)  # no-op when both are on the same device
+        h = self.glu(linear(xr, gate_up, self.act_int8), act)  # [t, I]
+        return linear(h, down, self.act_int8).to(x.device)  # [t, H]

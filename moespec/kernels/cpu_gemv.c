@@ -1,0 +1,513 @@
+/* moespec CPU kernels: y[t, r] = sum_c x[t, c] * W[r, c] for a row range [r0, r1) of one weight.
+ *
+ * Shapes: T tokens, R rows (output features), C columns (input features), g group size,
+ * G = ceil(C / g) groups per row. x is float32 [T, ldx], y float32 [T, ldy]; rows are independent, so
+ * threads split a weight by row ranges.
+ *
+ * Weights (moespec/kernels/lowbit.py describes the same formats from the Python side):
+ *   f32   float32 [R, C]; bf16 uint16 [R, C] (bfloat16 bits).
+ *   q8    codes uint8 [R, C]; q4 codes uint8 [R, C/2]; with scales float16 [R, G] and zeros uint8
+ *         [R, G]: w = (code - zero) * scale, groups of g consecutive columns of a row (the last
+ *         group of a row may be shorter). C % 16 == 0 and g % 32 == 0.
+ *   q4 code order within a row: blocks of 32 columns in 16 bytes, byte i = code i | code (i+16) << 4;
+ *         when C % 32 == 16 the row ends with a block of 16 columns in 8 bytes, byte i = code i |
+ *         code (i+8) << 4. Either block unpacks with one AND and one shift (llama.cpp's Q4 order).
+ *
+ * Exact kernels (float32 activations, float32 accumulation): for t = 1 the group's zero point is
+ * factored out, sum_c (q_c - z) s x_c = s * (sum_c q_c x_c - z * sum_c x_c), so each weight costs
+ * one integer->float conversion and one FMA; for t > 1 two rows are dequantised exactly as the
+ * reference does ((q - z) * s, one rounding) and multiplied with up to 4 tokens at a time.
+ *
+ * a8 kernels (int8 activations): each token's activations are quantised per weight group to int8
+ * with one float32 scale (d = max|x| / 127, round to nearest even), and the dot products are integer
+ * (vpmaddubsw + vpmaddwd, as llama.cpp's Q4_1 x Q8_1): NOT exact, chosen by --expert-dtype w8a8 | w4a8.
+ *
+ * Every function needs AVX2, FMA and F16C; lowbit.py checks the CPU before loading this library.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    lo = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, lo);
+    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline __m256 bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m256 u8x8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline i64 group_len(i64 j, i64 g, i64 C) { return (j + 1) * g <= C ? g : C - j * g; }
+
+/* ------------------------------------------------------------------------------------------ */
+/* Group sums of the activations: xs[t, j] = sum of x[t, c] over group j (the exact t = 1 kernels). */
+void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs) {
+    const i64 G = (C + g - 1) / g;
+    for (i64 t = 0; t < T; t++)
+        for (i64 j = 0; j < G; j++) {
+            const float* p = x + t * ldx + j * g;
+            const i64 n = group_len(j, g, C);
+            __m256 a = _mm256_setzero_ps();
+            i64 k = 0;
+            for (; k + 8 <= n; k += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(p + k));
+            float s = hsum(a);
+            for (; k < n; k++) s += p[k];
+            xs[t * G + j] = s;
+        }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Dense rows, one token: 4 rows share each load of x (memory-bound streaming). */
+static void f32_t1(const float* x, const float* w, i64 C, float* y, i64 r0, i64 r1) {
+    i64 r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const float *w0 = w + r * C, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) {
+            __m256 xv = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+        }
+        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+        for (; k < C; k++) { s0 += w0[k] * x[k]; s1 += w1[k] * x[k]; s2 += w2[k] * x[k]; s3 += w3[k] * x[k]; }
+        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+    }
+    for (; r < r1; r++) {
+        const float* w0 = w + r * C;
+        __m256 a0 = _mm256_setzero_ps();
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), _mm256_loadu_ps(x + k), a0);
+        float s0 = hsum(a0);
+        for (; k < C; k++) s0 += w0[k] * x[k];
+        y[r] = s0;
+    }
+}
+
+static void bf16_t1(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
+    i64 r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const uint16_t *w0 = w + r * C, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) {
+            __m256 xv = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(bf16x8(w0 + k), xv, a0);
+            a1 = _mm256_fmadd_ps(bf16x8(w1 + k), xv, a1);
+            a2 = _mm256_fmadd_ps(bf16x8(w2 + k), xv, a2);
+            a3 = _mm256_fmadd_ps(bf16x8(w3 + k), xv, a3);
+        }
+        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+        for (; k < C; k++)
+            for (int i = 0; i < 4; i++) {
+                uint32_t bits = (uint32_t)w[(r + i) * C + k] << 16;
+                float wf;
+                memcpy(&wf, &bits, 4);
+                s[i] += wf * x[k];
+            }
+        for (int i = 0; i < 4; i++) y[r + i] = s[i];
+    }
+    for (; r < r1; r++) {
+        const uint16_t* w0 = w + r * C;
+        __m256 a0 = _mm256_setzero_ps();
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w0 + k), _mm256_loadu_ps(x + k), a0);
+        float s0 = hsum(a0);
+        for (; k < C; k++) {
+            uint32_t bits = (uint32_t)w0[k] << 16;
+            float wf;
+            memcpy(&wf, &bits, 4);
+            s0 += wf * x[k];
+        }
+        y[r] = s0;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Low-bit rows, one token, exact: per group p = sum q*x (vector), acc += s * p, zt += s * z * xs. */
+#define Q4_BLOCK32(b_ptr, p, q, xk)                                                            \
+    do {                                                                                       \
+        __m128i b_ = _mm_loadu_si128((const __m128i*)(b_ptr));                                 \
+        __m256i v0_ = _mm256_cvtepu8_epi32(b_), v1_ = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b_, b_)); \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), _mm256_loadu_ps((xk)), p);  \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1_, m15)), _mm256_loadu_ps((xk) + 8), q); \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), _mm256_loadu_ps((xk) + 16), p); \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1_, 4)), _mm256_loadu_ps((xk) + 24), q); \
+    } while (0)
+
+#define Q4_BLOCK16(b_ptr, p, q, xk)                                                            \
+    do {                                                                                       \
+        __m256i v0_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b_ptr)));          \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), _mm256_loadu_ps((xk)), p);  \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), _mm256_loadu_ps((xk) + 8), q); \
+    } while (0)
+
+static void q4_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                  const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g, nb = C / 2;
+    const __m256i m15 = _mm256_set1_epi32(15);
+    i64 r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t *b0 = codes + r * nb, *b1 = b0 + nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        float z0 = 0, z1 = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256 p0 = _mm256_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                Q4_BLOCK32(b0 + k / 2, p0, q0, x + k);
+                Q4_BLOCK32(b1 + k / 2, p1, q1, x + k);
+            }
+            if (k < k1) {
+                Q4_BLOCK16(b0 + k / 2, p0, q0, x + k);
+                Q4_BLOCK16(b1 + k / 2, p1, q1, x + k);
+            }
+            const float s0 = half_to_float(scales[r * G + j]), s1 = half_to_float(scales[(r + 1) * G + j]);
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_add_ps(p1, q1), _mm256_set1_ps(s1), acc1);
+            z0 += s0 * (float)zeros[r * G + j] * xs[j];
+            z1 += s1 * (float)zeros[(r + 1) * G + j] * xs[j];
+        }
+        y[r] = hsum(acc0) - z0;
+        y[r + 1] = hsum(acc1) - z1;
+    }
+    for (; r < r1; r++) {
+        const uint8_t* b0 = codes + r * nb;
+        __m256 acc0 = _mm256_setzero_ps();
+        float z0 = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256 p0 = _mm256_setzero_ps(), q0 = p0;
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) Q4_BLOCK32(b0 + k / 2, p0, q0, x + k);
+            if (k < k1) Q4_BLOCK16(b0 + k / 2, p0, q0, x + k);
+            const float s0 = half_to_float(scales[r * G + j]);
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
+            z0 += s0 * (float)zeros[r * G + j] * xs[j];
+        }
+        y[r] = hsum(acc0) - z0;
+    }
+}
+
+static void q8_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                  const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g;
+    i64 r = r0;
+    for (; r + 2 <= r1; r += 2) {
+        const uint8_t *b0 = codes + r * C, *b1 = b0 + C;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        float z0 = 0, z1 = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256 p0 = _mm256_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
+            for (i64 k = k0; k < k1; k += 16) {
+                __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+                p0 = _mm256_fmadd_ps(u8x8(b0 + k), x0, p0);
+                q0 = _mm256_fmadd_ps(u8x8(b0 + k + 8), x1, q0);
+                p1 = _mm256_fmadd_ps(u8x8(b1 + k), x0, p1);
+                q1 = _mm256_fmadd_ps(u8x8(b1 + k + 8), x1, q1);
+            }
+            const float s0 = half_to_float(scales[r * G + j]), s1 = half_to_float(scales[(r + 1) * G + j]);
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_add_ps(p1, q1), _mm256_set1_ps(s1), acc1);
+            z0 += s0 * (float)zeros[r * G + j] * xs[j];
+            z1 += s1 * (float)zeros[(r + 1) * G + j] * xs[j];
+        }
+        y[r] = hsum(acc0) - z0;
+        y[r + 1] = hsum(acc1) - z1;
+    }
+    for (; r < r1; r++) {
+        const uint8_t* b0 = codes + r * C;
+        __m256 acc0 = _mm256_setzero_ps();
+        float z0 = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256 p0 = _mm256_setzero_ps(), q0 = p0;
+            for (i64 k = k0; k < k1; k += 16) {
+                p0 = _mm256_fmadd_ps(u8x8(b0 + k), _mm256_loadu_ps(x + k), p0);
+                q0 = _mm256_fmadd_ps(u8x8(b0 + k + 8), _mm256_loadu_ps(x + k + 8), q0);
+            }
+            const float s0 = half_to_float(scales[r * G + j]);
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
+            z0 += s0 * (float)zeros[r * G + j] * xs[j];
+        }
+        y[r] = hsum(acc0) - z0;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Exact dequantisation of rows [r0, r1) into out [r1 - r0, C] float32: (q - z) * s, one rounding,
+ * as the torch reference computes it (bit for bit). */
+void dequant_q4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+                float* out, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g, nb = C / 2;
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (i64 r = r0; r < r1; r++) {
+        const uint8_t* b = codes + r * nb;
+        float* o = out + (r - r0) * C;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            const __m256i z = _mm256_set1_epi32(zeros[r * G + j]);
+            const __m256 s = _mm256_set1_ps(half_to_float(scales[r * G + j]));
+#define DQ(v, dst) _mm256_storeu_ps((dst), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32((v), z)), s))
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
+                __m256i v0 = _mm256_cvtepu8_epi32(bb), v1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bb, bb));
+                DQ(_mm256_and_si256(v0, m15), o + k);
+                DQ(_mm256_and_si256(v1, m15), o + k + 8);
+                DQ(_mm256_srli_epi32(v0, 4), o + k + 16);
+                DQ(_mm256_srli_epi32(v1, 4), o + k + 24);
+            }
+            if (k < k1) {
+                __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k / 2)));
+                DQ(_mm256_and_si256(v0, m15), o + k);
+                DQ(_mm256_srli_epi32(v0, 4), o + k + 8);
+            }
+        }
+    }
+}
+
+void dequant_q8(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+                float* out, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g;
+    for (i64 r = r0; r < r1; r++) {
+        const uint8_t* b = codes + r * C;
+        float* o = out + (r - r0) * C;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            const __m256i z = _mm256_set1_epi32(zeros[r * G + j]);
+            const __m256 s = _mm256_set1_ps(half_to_float(scales[r * G + j]));
+            for (i64 k = k0; k < k1; k += 8)
+                DQ(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k))), o + k);
+        }
+    }
+#undef DQ
+}
+
+/* bf16 rows [r0, r1) -> float32 [r1 - r0, C] (exact). */
+static void dequant_bf16(const uint16_t* w, i64 C, float* out, i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1; r++) {
+        const uint16_t* p = w + r * C;
+        float* o = out + (r - r0) * C;
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) _mm256_storeu_ps(o + k, bf16x8(p + k));
+        for (; k < C; k++) {
+            uint32_t bits = (uint32_t)p[k] << 16;
+            memcpy(o + k, &bits, 4);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Several tokens: two float32 rows w0, w1 [C] times up to 4 tokens; y[t, r], y[t, r + 1] written
+ * (w1 == NULL: one row). */
+static void rows2_tokens(const float* w0, const float* w1, const float* x, i64 T, i64 ldx, i64 C,
+                         float* y, i64 ldy, i64 r) {
+    for (i64 t0 = 0; t0 < T; t0 += 4) {
+        const i64 nt = T - t0 < 4 ? T - t0 : 4;
+        const float* xt[4];
+        for (i64 i = 0; i < 4; i++) xt[i] = x + (t0 + (i < nt ? i : 0)) * ldx;
+        __m256 a[2][4];
+        for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+        i64 k = 0;
+        for (; k + 8 <= C; k += 8) {
+            __m256 u0 = _mm256_loadu_ps(w0 + k);
+            __m256 u1 = w1 ? _mm256_loadu_ps(w1 + k) : u0;
+            for (int i = 0; i < 4; i++) {
+                __m256 xv = _mm256_loadu_ps(xt[i] + k);
+                a[0][i] = _mm256_fmadd_ps(u0, xv, a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(u1, xv, a[1][i]);
+            }
+        }
+        for (i64 i = 0; i < nt; i++) {
+            float s0 = hsum(a[0][i]), s1 = hsum(a[1][i]);
+            for (i64 kk = k; kk < C; kk++) {
+                s0 += w0[kk] * xt[i][kk];
+                if (w1) s1 += w1[kk] * xt[i][kk];
+            }
+            y[(t0 + i) * ldy + r] = s0;
+            if (w1) y[(t0 + i) * ldy + r + 1] = s1;
+        }
+    }
+}
+
+/* Two rows of scratch (2 x C floats) on the stack up to this many columns, else on the heap. */
+#define STACK_COLS 8192
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
+
+/* The one entry point for float32 activations (exact).
+ *   kind: KIND_*; w: the weight (f32/bf16) or the codes (q8/q4); scales/zeros: q8/q4 only;
+ *   xs: group sums [T, G] (q8/q4 with T == 1; from group_sums), else NULL.
+ * Returns 0, or -1 when a scratch buffer could not be allocated. */
+int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
+                  const uint8_t* zeros, const float* xs, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1) {
+    if (T == 1) {
+        switch (kind) {
+            case KIND_F32: f32_t1(x, (const float*)w, C, y, r0, r1); return 0;
+            case KIND_BF16: bf16_t1(x, (const uint16_t*)w, C, y, r0, r1); return 0;
+            case KIND_Q8: q8_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            case KIND_Q4: q4_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            default: return -1;
+        }
+    }
+    if (kind == KIND_F32) {
+        const float* wf = (const float*)w;
+        for (i64 r = r0; r < r1; r += 2)
+            rows2_tokens(wf + r * C, r + 1 < r1 ? wf + (r + 1) * C : NULL, x, T, ldx, C, y, ldy, r);
+        return 0;
+    }
+    float stack_buf[C <= STACK_COLS ? 2 * C : 1];
+    float* buf = C <= STACK_COLS ? stack_buf : (float*)malloc(sizeof(float) * 2 * C);
+    if (!buf) return -1;
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 n = r + 1 < r1 ? 2 : 1;
+        if (kind == KIND_BF16) dequant_bf16((const uint16_t*)w, C, buf, r, r + n);
+        else if (kind == KIND_Q8) dequant_q8((const uint8_t*)w, scales, zeros, C, g, buf, r, r + n);
+        else dequant_q4((const uint8_t*)w, scales, zeros, C, g, buf, r, r + n);
+        rows2_tokens(buf, n == 2 ? buf + C : NULL, x, T, ldx, C, y, ldy, r);
+    }
+    if (buf != stack_buf) free(buf);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* int8 activations (not exact). quantize_act: per token and weight group, d = max|x| / 127,
+ * xq = round_half_even(x * (127 / max|x|)) (int8), qsum = sum of xq (as float) over the group. */
+void quantize_act(const float* x, i64 T, i64 ldx, i64 C, i64 g, int8_t* xq, float* d,
+                  float* qsum) {
+    const i64 G = (C + g - 1) / g;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (i64 t = 0; t < T; t++)
+        for (i64 j = 0; j < G; j++) {
+            const float* p = x + t * ldx + j * g;
+            int8_t* q = xq + t * C + j * g;
+            const i64 n = group_len(j, g, C);
+            __m256 m = _mm256_setzero_ps();
+            for (i64 k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + k)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float mx = _mm_cvtss_f32(m4);
+            const float dd = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
+            d[t * G + j] = dd;
+            int32_t s = 0;
+            for (i64 k = 0; k < n; k += 8) {
+                __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + k), _mm256_set1_ps(inv)));
+                int32_t tmp[8];
+                _mm256_storeu_si256((__m256i*)tmp, v);
+                for (int i = 0; i < 8; i++) {
+                    int32_t qi = tmp[i] > 127 ? 127 : (tmp[i] < -127 ? -127 : tmp[i]);
+                    q[k + i] = (int8_t)qi;
+                    s += qi;
+                }
+            }
+            qsum[t * G + j] = (float)s;
+        }
+}
+
+static inline __m256i sum_i16_pairs(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+
+/* q4 x int8 activations for rows [r0, r1): per group the integer dot sum q4 * xq, then
+ * y = sum_j s_j d_j (dot_j - z_j * qsum_j). */
+static void q4_a8_t1(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g, nb = C / 2;
+    const __m256i m15 = _mm256_set1_epi8(15);
+    for (i64 r = r0; r < r1; r++) {
+        const uint8_t* b = codes + r * nb;
+        __m256 acc = _mm256_setzero_ps();
+        float zt = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256i ia = _mm256_setzero_si256();
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
+                __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bb, 4), bb), m15);
+                __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(c, q)));
+            }
+            if (k < k1) {
+                __m128i bb = _mm_loadl_epi64((const __m128i*)(b + k / 2));
+                __m128i c = _mm_and_si128(_mm_unpacklo_epi64(bb, _mm_srli_epi16(bb, 4)), _mm_set1_epi8(15));
+                __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
+                __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(c, q), _mm_set1_epi16(1));
+                ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
+            }
+            const float sd = half_to_float(scales[r * G + j]) * d[j];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sd), acc);
+            zt += sd * (float)zeros[r * G + j] * qsum[j];
+        }
+        y[r] = hsum(acc) - zt;
+    }
+}
+
+/* q8 x int8 activations: codes are unsigned, so c = (c - 128) + 128; vpmaddubsw takes |c - 128|
+ * (<= 128, unsigned) with the sign of c - 128 moved onto xq (|xq| <= 127, so negating is exact), and
+ * the products stay within int16. */
+static void q8_a8_t1(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g;
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (i64 r = r0; r < r1; r++) {
+        const uint8_t* b = codes + r * C;
+        __m256 acc = _mm256_setzero_ps();
+        float zt = 0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256i ia = _mm256_setzero_si256();
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(b + k)), bias);  /* c - 128 */
+                __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c))));
+            }
+            if (k < k1) {
+                __m128i c = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(b + k)), _mm_set1_epi8((char)0x80));
+                __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
+                __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(c), _mm_sign_epi8(q, c)), _mm_set1_epi16(1));
+                ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
+            }
+            const float sd = half_to_float(scales[r * G + j]) * d[j];
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sd), acc);
+            zt += sd * ((float)zeros[r * G + j] - 128.0f) * qsum[j];
+        }
+        y[r] = hsum(acc) - zt;
+    }
+}
+
+/* The entry point for int8 activations (from quantize_act): kind KIND_Q8 or KIND_Q4; tokens one by
+ * one over each block of 8 rows, so a block's codes are read from memory once. */
+int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T,
+              const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y,
+              i64 ldy, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g;
+    if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
+    for (i64 r = r0; r < r1; r += 8) {
+        const i64 re = r + 8 < r1 ? r + 8 : r1;
+        for (i64 t = 0; t < T; t++) {
+            if (kind == KIND_Q4)
+                q4_a8_t1(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+            else
+                q8_a8_t1(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,111 @@
+"""CPU kernels (moespec.kernels): every fast path against its slow reference, with stated tolerances.
+
+Tolerances (relative to the largest output): float32 activations 2e-6 (exact arithmetic, another
+order of the float32 sum: measured <= 6e-7); bfloat16 rows and activations: equal after the one
+rounding to bfloat16 in these cases, allowed one bf16 ulp (2**-8); int8 activations (w8a8/w4a8)
+against their own reference (same integer codes) 2e-6, against the exact product < 2e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moespec.kernels import linear as L
+from moespec.kernels import native
+from moespec.kernels.lowbit import LowBitWeight, dequantize, groups_per_row, pack_codes
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=native.status().note or "")
+
+
+def _lowbit(bits: int, rows: int, cols: int, group: int, seed: int = 0) -> LowBitWeight:
+    gen = torch.Generator().manual_seed(seed)
+    n = groups_per_row(cols, group)
+    codes = torch.randint(0, 2**bits, (rows, cols), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(rows * n, generator=gen) * 0.02 + 0.001).half()
+    zeros = torch.randint(0, 2**bits, (rows * n,), dtype=torch.uint8, generator=gen)
+    return LowBitWeight(bits, rows, cols, group, pack_codes(codes, bits), scales, zeros)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+# shapes: a short last group (80 = 64 + 16), g > C (16), several groups, odd row counts
+SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows,cols,group", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_lowbit_kernels_equal_dequantise_then_linear(bits, rows, cols, group, tokens):
+    w = _lowbit(bits, rows, cols, group)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(1))
+    assert L.plan(x, w) == "fused"
+    assert _rel(L.linear(x, w), L.linear_reference(x, w)) < 2e-6
+    assert L.plan(x, w, act_int8=True) == "a8"
+    a8 = L.linear(x, w, act_int8=True)
+    assert _rel(a8, L.linear_reference(x, w, act_int8=True)) < 2e-6
+    assert 1e-5 < _rel(a8, L.linear_reference(x, w)) < 2e-2  # really quantised, and close
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_dequantisation_is_bit_for_bit_the_reference(bits):
+    for rows, cols, group in SHAPES:
+        w = _lowbit(bits, rows, cols, group, seed=rows)
+        assert torch.equal(L._dense_rows(w, 0, rows, torch.float32), dequantize(w, torch.float32))
+        assert torch.equal(L._dense_rows(w, 2, 5, torch.float32), dequantize(w, torch.float32)[2:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(37, 80), (5, 13), (64, 576)])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_dense_kernels_equal_linear(dtype, rows, cols, tokens):
+    gen = torch.Generator().manual_seed(2)
+    w, x = torch.randn(rows, cols, generator=gen).to(dtype), torch.randn(tokens, cols, generator=gen).to(dtype)
+    assert L.plan(x, w) == "fused"
+    got, want = L.linear(x, w), L.linear_reference(x, w)
+    assert got.dtype == want.dtype == dtype
+    assert _rel(got, want) < (2e-6 if dtype == torch.float32 else 2**-8)
+
+
+def test_prefill_chunks_and_other_devices_take_the_gemm_path():
+    w = _lowbit(4, 8, 64, 64)
+    x = torch.randn(L.FUSED_MAX_TOKENS + 1, 64)
+    assert L.plan(x, w) == "gemm" and L.plan(x, w, act_int8=True) == "gemm"
+    assert torch.equal(L.linear(x, w), L.linear_reference(x, w))  # the same dequantised weights, F.linear
+    assert L.plan(torch.randn(1, 64, dtype=torch.float16), w) == "gemm"
+
+
+def test_rows_split_over_calls_equal_one_call():
+    """What the host pool's threads do: each computes a range of output rows into one y."""
+    w = _lowbit(4, 50, 96, 32)
+    x = torch.randn(1, 96)
+    p = L.prepare(x, w)
+    y = L.new_output(p, 50)
+    for r0, r1 in ((0, 17), (17, 18), (18, 50)):
+        L.run_rows(p, w, y, r0, r1)
+    assert torch.equal(L.finish(p, y), L.linear(x, w))
+
+
+def test_without_native_kernels_everything_takes_the_reference(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    w, x = _lowbit(4, 8, 64, 64), torch.randn(1, 64)
+    assert L.plan(x, w) == "gemm"
+    assert torch.equal(L.linear(x, w), L.linear_reference(x, w))
+
+
+@pytest.mark.parametrize("env,flags,match", [({"MOESPEC_CPU_KERNELS": "0"}, None, "MOESPEC_CPU_KERNELS=0"),
+                                             ({}, {"sse4_2", "avx"}, "this CPU lacks AVX2/FMA/F16C")])
+def test_status_says_why_there_are_no_kernels_in_one_line(monkeypatch, env, flags, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if flags is not None:
+        monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    native.status.cache_clear()
+    try:
+        got = native.status()
+        assert got.lib is None and match in got.note and "\n" not in got.note
+        assert got.note.endswith("use the reference path (dequantise, then matmul)")
+    finally:
+        native.status.cache_clear()
