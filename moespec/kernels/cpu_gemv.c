@@ -138,115 +138,90 @@ static void bf16_t1(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, 
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Low-bit rows, one token, exact: per group p = sum q*x (vector), acc += s * p, zt += s * z * xs. */
-#define Q4_BLOCK32(b_ptr, p, q, xk)                                                            \
+/* Per row, before its groups: sv[j] = s_j * (dmul ? dmul[j] : 1) for every group j (float32, read by
+ * the group loop with one broadcast load), and the row's zero-point term sum_j sv_j (z_j - zoff) w_j,
+ * vectorised over groups (w: the activations' group sums). */
+static float row_prep(const uint16_t* s, const uint8_t* z, const float* dmul, const float* w, float zoff, i64 G,
+                      float* sv) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 off = _mm256_set1_ps(zoff);
+    i64 j = 0;
+    for (; j + 8 <= G; j += 8) {
+        __m256 sj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + j)));
+        if (dmul) sj = _mm256_mul_ps(sj, _mm256_loadu_ps(dmul + j));
+        _mm256_storeu_ps(sv + j, sj);
+        __m256 zj = _mm256_sub_ps(u8x8(z + j), off);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(sj, zj), _mm256_loadu_ps(w + j), acc);
+    }
+    float zt = hsum(acc);
+    for (; j < G; j++) {
+        sv[j] = half_to_float(s[j]) * (dmul ? dmul[j] : 1.0f);
+        zt += sv[j] * ((float)z[j] - zoff) * w[j];
+    }
+    return zt;
+}
+
+/* Low-bit rows, one token, exact: two rows at a time share every load of x; per group
+ * p = sum q*x (vectors), acc += s * p; y = hsum(acc) - sum_j s_j z_j xs_j. An odd last row is
+ * computed as both rows of a pair (written once). */
+#define Q4_BLOCK32(b_ptr, p, q)                                                                \
     do {                                                                                       \
         __m128i b_ = _mm_loadu_si128((const __m128i*)(b_ptr));                                 \
         __m256i v0_ = _mm256_cvtepu8_epi32(b_), v1_ = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b_, b_)); \
-        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), _mm256_loadu_ps((xk)), p);  \
-        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1_, m15)), _mm256_loadu_ps((xk) + 8), q); \
-        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), _mm256_loadu_ps((xk) + 16), p); \
-        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1_, 4)), _mm256_loadu_ps((xk) + 24), q); \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), x0, p);           \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1_, m15)), x1, q);           \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), x2, p);            \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1_, 4)), x3, q);            \
     } while (0)
 
-#define Q4_BLOCK16(b_ptr, p, q, xk)                                                            \
+#define Q4_BLOCK16(b_ptr, p, q)                                                                \
     do {                                                                                       \
         __m256i v0_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b_ptr)));          \
-        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), _mm256_loadu_ps((xk)), p);  \
-        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), _mm256_loadu_ps((xk) + 8), q); \
+        p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0_, m15)), x0, p);           \
+        q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), x1, q);            \
     } while (0)
 
-static void q4_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
-                  const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g, nb = C / 2;
+static void lowbit_t1(int bits, const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                      const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C * bits / 8;
     const __m256i m15 = _mm256_set1_epi32(15);
-    i64 r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t *b0 = codes + r * nb, *b1 = b0 + nb;
+    float sv0[G], sv1[G];
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
+        const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
+        const float z0 = row_prep(scales + r * G, zeros + r * G, NULL, xs, 0.0f, G, sv0);
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-        float z0 = 0, z1 = 0;
         for (i64 j = 0; j < G; j++) {
             const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
             __m256 p0 = _mm256_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
             i64 k = k0;
-            for (; k + 32 <= k1; k += 32) {
-                Q4_BLOCK32(b0 + k / 2, p0, q0, x + k);
-                Q4_BLOCK32(b1 + k / 2, p1, q1, x + k);
+            if (bits == 4) {
+                for (; k + 32 <= k1; k += 32) {
+                    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+                    const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+                    Q4_BLOCK32(b0 + k / 2, p0, q0);
+                    Q4_BLOCK32(b1 + k / 2, p1, q1);
+                }
+                if (k < k1) {
+                    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+                    Q4_BLOCK16(b0 + k / 2, p0, q0);
+                    Q4_BLOCK16(b1 + k / 2, p1, q1);
+                }
+            } else {
+                for (; k < k1; k += 16) {
+                    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+                    p0 = _mm256_fmadd_ps(u8x8(b0 + k), x0, p0);
+                    q0 = _mm256_fmadd_ps(u8x8(b0 + k + 8), x1, q0);
+                    p1 = _mm256_fmadd_ps(u8x8(b1 + k), x0, p1);
+                    q1 = _mm256_fmadd_ps(u8x8(b1 + k + 8), x1, q1);
+                }
             }
-            if (k < k1) {
-                Q4_BLOCK16(b0 + k / 2, p0, q0, x + k);
-                Q4_BLOCK16(b1 + k / 2, p1, q1, x + k);
-            }
-            const float s0 = half_to_float(scales[r * G + j]), s1 = half_to_float(scales[(r + 1) * G + j]);
-            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_add_ps(p1, q1), _mm256_set1_ps(s1), acc1);
-            z0 += s0 * (float)zeros[r * G + j] * xs[j];
-            z1 += s1 * (float)zeros[(r + 1) * G + j] * xs[j];
+            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_broadcast_ss(sv0 + j), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_add_ps(p1, q1), _mm256_broadcast_ss(sv1 + j), acc1);
         }
         y[r] = hsum(acc0) - z0;
-        y[r + 1] = hsum(acc1) - z1;
-    }
-    for (; r < r1; r++) {
-        const uint8_t* b0 = codes + r * nb;
-        __m256 acc0 = _mm256_setzero_ps();
-        float z0 = 0;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            __m256 p0 = _mm256_setzero_ps(), q0 = p0;
-            i64 k = k0;
-            for (; k + 32 <= k1; k += 32) Q4_BLOCK32(b0 + k / 2, p0, q0, x + k);
-            if (k < k1) Q4_BLOCK16(b0 + k / 2, p0, q0, x + k);
-            const float s0 = half_to_float(scales[r * G + j]);
-            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
-            z0 += s0 * (float)zeros[r * G + j] * xs[j];
-        }
-        y[r] = hsum(acc0) - z0;
-    }
-}
-
-static void q8_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
-                  const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g;
-    i64 r = r0;
-    for (; r + 2 <= r1; r += 2) {
-        const uint8_t *b0 = codes + r * C, *b1 = b0 + C;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-        float z0 = 0, z1 = 0;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            __m256 p0 = _mm256_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
-            for (i64 k = k0; k < k1; k += 16) {
-                __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-                p0 = _mm256_fmadd_ps(u8x8(b0 + k), x0, p0);
-                q0 = _mm256_fmadd_ps(u8x8(b0 + k + 8), x1, q0);
-                p1 = _mm256_fmadd_ps(u8x8(b1 + k), x0, p1);
-                q1 = _mm256_fmadd_ps(u8x8(b1 + k + 8), x1, q1);
-            }
-            const float s0 = half_to_float(scales[r * G + j]), s1 = half_to_float(scales[(r + 1) * G + j]);
-            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_add_ps(p1, q1), _mm256_set1_ps(s1), acc1);
-            z0 += s0 * (float)zeros[r * G + j] * xs[j];
-            z1 += s1 * (float)zeros[(r + 1) * G + j] * xs[j];
-        }
-        y[r] = hsum(acc0) - z0;
-        y[r + 1] = hsum(acc1) - z1;
-    }
-    for (; r < r1; r++) {
-        const uint8_t* b0 = codes + r * C;
-        __m256 acc0 = _mm256_setzero_ps();
-        float z0 = 0;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            __m256 p0 = _mm256_setzero_ps(), q0 = p0;
-            for (i64 k = k0; k < k1; k += 16) {
-                p0 = _mm256_fmadd_ps(u8x8(b0 + k), _mm256_loadu_ps(x + k), p0);
-                q0 = _mm256_fmadd_ps(u8x8(b0 + k + 8), _mm256_loadu_ps(x + k + 8), q0);
-            }
-            const float s0 = half_to_float(scales[r * G + j]);
-            acc0 = _mm256_fmadd_ps(_mm256_add_ps(p0, q0), _mm256_set1_ps(s0), acc0);
-            z0 += s0 * (float)zeros[r * G + j] * xs[j];
-        }
-        y[r] = hsum(acc0) - z0;
+        if (r2 != r) y[r2] = hsum(acc1) - z1;
     }
 }
 
@@ -362,8 +337,8 @@ int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const
         switch (kind) {
             case KIND_F32: f32_t1(x, (const float*)w, C, y, r0, r1); return 0;
             case KIND_BF16: bf16_t1(x, (const uint16_t*)w, C, y, r0, r1); return 0;
-            case KIND_Q8: q8_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
-            case KIND_Q4: q4_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            case KIND_Q8: lowbit_t1(8, x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            case KIND_Q4: lowbit_t1(4, x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
             default: return -1;
         }
     }
@@ -424,72 +399,68 @@ void quantize_act(const float* x, i64 T, i64 ldx, i64 C, i64 g, int8_t* xq, floa
 
 static inline __m256i sum_i16_pairs(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
-/* q4 x int8 activations for rows [r0, r1): per group the integer dot sum q4 * xq, then
- * y = sum_j s_j d_j (dot_j - z_j * qsum_j). */
-static void q4_a8_t1(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
-                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g, nb = C / 2;
-    const __m256i m15 = _mm256_set1_epi8(15);
-    for (i64 r = r0; r < r1; r++) {
-        const uint8_t* b = codes + r * nb;
-        __m256 acc = _mm256_setzero_ps();
-        float zt = 0;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            __m256i ia = _mm256_setzero_si256();
-            i64 k = k0;
-            for (; k + 32 <= k1; k += 32) {
-                __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
-                __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bb, 4), bb), m15);
-                __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
-                ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(c, q)));
-            }
-            if (k < k1) {
-                __m128i bb = _mm_loadl_epi64((const __m128i*)(b + k / 2));
-                __m128i c = _mm_and_si128(_mm_unpacklo_epi64(bb, _mm_srli_epi16(bb, 4)), _mm_set1_epi8(15));
-                __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
-                __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(c, q), _mm_set1_epi16(1));
-                ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
-            }
-            const float sd = half_to_float(scales[r * G + j]) * d[j];
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sd), acc);
-            zt += sd * (float)zeros[r * G + j] * qsum[j];
-        }
-        y[r] = hsum(acc) - zt;
-    }
-}
+/* Low-bit rows x int8 activations for rows [r0, r1), two rows at a time sharing the loads of xq: per
+ * group the integer dot sum q * xq, then y = sum_j s_j d_j (dot_j - z_j * qsum_j).
+ * int4: codes (<= 15) are vpmaddubsw's unsigned operand. int8: codes are unsigned, so c = (c - 128)
+ * + 128; vpmaddubsw takes |c - 128| (<= 128, unsigned) with the sign of c - 128 moved onto xq
+ * (|xq| <= 127, so negating is exact), the products stay within int16, and the zero point is
+ * applied as z - 128. */
+#define A8_Q4_32(bb_ptr, ia)                                                                       \
+    do {                                                                                           \
+        __m128i bb_ = _mm_loadu_si128((const __m128i*)(bb_ptr));                                   \
+        __m256i c_ = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bb_, 4), bb_), m15);        \
+        ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(c_, q)));                     \
+    } while (0)
+#define A8_Q4_16(bb_ptr, ia)                                                                       \
+    do {                                                                                           \
+        __m128i bb_ = _mm_loadl_epi64((const __m128i*)(bb_ptr));                                   \
+        __m128i c_ = _mm_and_si128(_mm_unpacklo_epi64(bb_, _mm_srli_epi16(bb_, 4)), _mm256_castsi256_si128(m15)); \
+        __m128i p_ = _mm_madd_epi16(_mm_maddubs_epi16(c_, q16), _mm_set1_epi16(1));               \
+        ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p_, 0));         \
+    } while (0)
+#define A8_Q8_32(b_ptr, ia)                                                                        \
+    do {                                                                                           \
+        __m256i c_ = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(b_ptr)), bias);          \
+        ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(c_), _mm256_sign_epi8(q, c_)))); \
+    } while (0)
+#define A8_Q8_16(b_ptr, ia)                                                                        \
+    do {                                                                                           \
+        __m128i c_ = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(b_ptr)), _mm256_castsi256_si128(bias)); \
+        __m128i p_ = _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(c_), _mm_sign_epi8(q16, c_)), _mm_set1_epi16(1)); \
+        ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p_, 0));         \
+    } while (0)
 
-/* q8 x int8 activations: codes are unsigned, so c = (c - 128) + 128; vpmaddubsw takes |c - 128|
- * (<= 128, unsigned) with the sign of c - 128 moved onto xq (|xq| <= 127, so negating is exact), and
- * the products stay within int16. */
-static void q8_a8_t1(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
-                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g;
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
-    for (i64 r = r0; r < r1; r++) {
-        const uint8_t* b = codes + r * C;
-        __m256 acc = _mm256_setzero_ps();
-        float zt = 0;
+static void lowbit_a8_t1(int bits, const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                         const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C * bits / 8;
+    const __m256i m15 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8((char)0x80);
+    const float zoff = bits == 8 ? 128.0f : 0.0f;
+    float sv0[G], sv1[G];
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
+        const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
+        const float z0 = row_prep(scales + r * G, zeros + r * G, d, qsum, zoff, G, sv0);
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, d, qsum, zoff, G, sv1);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         for (i64 j = 0; j < G; j++) {
             const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            __m256i ia = _mm256_setzero_si256();
+            __m256i i0 = _mm256_setzero_si256(), i1 = i0;
             i64 k = k0;
             for (; k + 32 <= k1; k += 32) {
-                __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(b + k)), bias);  /* c - 128 */
-                __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
-                ia = _mm256_add_epi32(ia, sum_i16_pairs(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c))));
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                if (bits == 4) { A8_Q4_32(b0 + k / 2, i0); A8_Q4_32(b1 + k / 2, i1); }
+                else { A8_Q8_32(b0 + k, i0); A8_Q8_32(b1 + k, i1); }
             }
             if (k < k1) {
-                __m128i c = _mm_xor_si128(_mm_loadu_si128((const __m128i*)(b + k)), _mm_set1_epi8((char)0x80));
-                __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
-                __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(_mm_abs_epi8(c), _mm_sign_epi8(q, c)), _mm_set1_epi16(1));
-                ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
+                const __m128i q16 = _mm_loadu_si128((const __m128i*)(xq + k));
+                if (bits == 4) { A8_Q4_16(b0 + k / 2, i0); A8_Q4_16(b1 + k / 2, i1); }
+                else { A8_Q8_16(b0 + k, i0); A8_Q8_16(b1 + k, i1); }
             }
-            const float sd = half_to_float(scales[r * G + j]) * d[j];
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(sd), acc);
-            zt += sd * ((float)zeros[r * G + j] - 128.0f) * qsum[j];
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(sv0 + j), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(sv1 + j), acc1);
         }
-        y[r] = hsum(acc) - zt;
+        y[r] = hsum(acc0) - z0;
+        if (r2 != r) y[r2] = hsum(acc1) - z1;
     }
 }
 
@@ -502,12 +473,9 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
-        for (i64 t = 0; t < T; t++) {
-            if (kind == KIND_Q4)
-                q4_a8_t1(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
-            else
-                q8_a8_t1(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
-        }
+        for (i64 t = 0; t < T; t++)
+            lowbit_a8_t1(kind == KIND_Q4 ? 4 : 8, xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g,
+                         y + t * ldy, r, re);
     }
     return 0;
 }

@@ -9,7 +9,8 @@ packed format such as MXFP4 is moved packed and expanded only after the copy). T
 transformers 5's fused SwiGLU: [gate_up (2I*H, "halves": gate rows then up rows) | down (H*I)].
 
 Compute: a SwiGLU layout names its two Linear-shaped weights (:meth:`ExpertLayout.linear_weights`,
-views of the row: float tensors or low-bit weights) and :meth:`forward` multiplies through
+views of the row: float tensors or low-bit weights) around :meth:`ExpertLayout.act_and_mul`, and
+:meth:`forward` multiplies through
 moespec.kernels.linear, which runs the CPU kernels where the row is on the CPU (a host row, a CPU
 slot) and F.linear elsewhere; the host pool splits the same two products across its threads.
 """
@@ -84,12 +85,13 @@ class ExpertLayout:
     # --- compute ---------------------------------------------------------------------------
     act_int8 = False  # the CPU kernels keep activations in the compute dtype (QuantLayout may not)
 
-    def linear_weights(self, row: torch.Tensor) -> tuple:
-        """The two Linear-shaped weights of a row: gate_up [2I, H] and down [H, I] (views, no copy)."""
+    def linear_weights(self, row: torch.Tensor) -> tuple | None:
+        """The two Linear-shaped weights of a row: gate_up [2I, H] and down [H, I] (views, no copy);
+        None where :meth:`forward` is not two Linear products around :meth:`act_and_mul` (GPT-OSS)."""
         return self.unpack(row)
 
     @staticmethod
-    def glu(gate_up: torch.Tensor, act) -> torch.Tensor:
+    def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
         """[t, 2I] (gate, up halves) -> [t, I]: act(gate) * up."""
         gate, up = gate_up.chunk(2, dim=-1)  # [t, I] each
         return act(gate) * up
@@ -102,5 +104,5 @@ class ExpertLayout:
         """
         gate_up, down = self.linear_weights(row)
         xr = x.to(row.device)  # no-op when both are on the same device
-        h = self.glu(linear(xr, gate_up, self.act_int8), act)  # [t, I]
+        h = self.act_and_mul(linear(xr, gate_up, self.act_int8), act)  # [t, I]
         return linear(h, down, self.act_int8).to(x.device)  # [t, H]
