@@ -17,7 +17,8 @@ units of work that idle workers pull from one shared list (no unit is bound to a
 The batch's future resolves when the last unit ends, whichever worker runs it: the caller never
 waits for a worker that has nothing left to do (a worker that arrives after the list is empty
 returns at once, and nothing waits for it). Layouts without Linear-shaped weights (GPT-OSS) give a
-``forward`` callable instead: one unit per expert.
+``forward`` callable only: one unit per expert. An EXPERTS unit runs ``forward`` when given (the
+layout's own, e.g. the one-call SwiGLU kernel), so it equals the device path bit for bit.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class ExpertJob:
 
     Attributes:
         x: [t, H] tokens (any device: ``load`` brings them to the host).
-        weights: (W1 [2I, H], W2 [H, I]) as moespec.kernels.linear takes them, or None with ``forward``.
+        weights: (W1 [2I, H], W2 [H, I]) as moespec.kernels.linear takes them (ROWS splits), or None.
         glu: [t, 2I] -> [t, I] (the layout's act_and_mul).
         act_int8: the CPU kernels quantise activations (not exact).
-        forward: x -> [t, H] for a layout without Linear-shaped weights (one unit).
+        forward: x -> [t, H], the whole expert (one unit; e.g. the one-call kernel, or a layout
+            without Linear-shaped weights); None: the two products above.
         load: x -> host tokens (e.g. a d2h copy), run by the first unit of the expert.
         store: y -> the result as the caller wants it (e.g. an h2d copy), run by its last unit.
     """
@@ -125,7 +127,7 @@ class ExpertBatch:
     def __init__(self, jobs: list[ExpertJob], split: Split, workers: int) -> None:
         self.states = [_State(j) for j in jobs]
         self.future: Future = Future()
-        kernel_jobs = all(j.forward is None for j in jobs)
+        kernel_jobs = all(j.weights is not None for j in jobs)  # only those can be cut by rows
         self.split = choose_split(split, len(jobs), workers) if kernel_jobs else Split.EXPERTS
         self.units: list[tuple] = []
         if self.split == Split.EXPERTS:

@@ -45,7 +45,7 @@ class Prepared:
     Attributes:
         mode: "fused" (GEMV kernel, exact), "a8" (int8 activations) or "gemm" (F.linear).
         x: [T, C] float32 contiguous ("fused"; "gemm": x as given).
-        xs: [T, G] float32 group sums (low-bit "fused" with T == 1), else None.
+        xs: [T, G] float32 group sums, or None (the t = 1 low-bit kernel computes them).
         a8: (xq int8 [T, C], scales d [T, G], sums of xq [T, G]) for "a8".
         out_dtype: x's dtype (the result's).
     """
@@ -81,16 +81,12 @@ def prepare(x: torch.Tensor, w, act_int8: bool = False) -> Prepared:
     t, c = x32.shape
     if not isinstance(w, LowBitWeight):
         return Prepared(mode, x32, out_dtype=x.dtype)
-    g, n = w.group_size, w.groups
     if mode == "a8":
+        g, n = w.group_size, w.groups
         xq, d, qsum = torch.empty(t, c, dtype=torch.int8), torch.empty(t, n), torch.empty(t, n)
         lib.quantize_act(x32.data_ptr(), t, c, c, g, xq.data_ptr(), d.data_ptr(), qsum.data_ptr())
         return Prepared(mode, x32, a8=(xq, d, qsum), out_dtype=x.dtype)
-    xs = None
-    if t == 1:
-        xs = torch.empty(t, n)
-        lib.group_sums(x32.data_ptr(), t, c, c, g, xs.data_ptr())
-    return Prepared(mode, x32, xs=xs, out_dtype=x.dtype)
+    return Prepared(mode, x32, out_dtype=x.dtype)  # t = 1: the kernel sums x per group itself
 
 
 def run_rows(p: Prepared, w, y: torch.Tensor, r0: int, r1: int) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-std=gnu11", "-lm")
 NEEDED = ("avx2", "fma", "f16c")
 KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 2, 3
 FALLBACK = "experts computed on the CPU use the reference path (dequantise, then matmul)"
@@ -42,6 +42,9 @@ _SIGNATURES = {
     "linear_a8": (ctypes.c_int, [ctypes.c_int, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I]),
     "dequant_q4": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
     "dequant_q8": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
+    "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
+    "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
+                                     _I, _I, _I, _P]),
 }
 
 

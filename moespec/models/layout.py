@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moespec.kernels import native
 from moespec.kernels.linear import linear
+from moespec.kernels.swiglu import is_silu, silu_and_mul, swiglu_expert
 
 
 @dataclass(frozen=True)
@@ -92,17 +94,36 @@ class ExpertLayout:
 
     @staticmethod
     def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
-        """[t, 2I] (gate, up halves) -> [t, I]: act(gate) * up."""
+        """[t, 2I] (gate, up halves) -> [t, I]: act(gate) * up (SiLU on the CPU: the one-call
+        kernel's own C code, so both paths agree bit for bit)."""
+        if is_silu(act):
+            h = silu_and_mul(gate_up)
+            if h is not None:
+                return h
         gate, up = gate_up.chunk(2, dim=-1)  # [t, I] each
         return act(gate) * up
+
+    def native_parts(self, row_dtype: torch.dtype, x_dtype: torch.dtype):
+        """(kernel kind, byte offsets (w1, s1, z1, w2, s2, z2) in a row, group size) for the one-call
+        CPU kernel (moespec.kernels.swiglu), or None where it does not apply (rows of another dtype
+        than the activations', float16)."""
+        kind = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}.get(row_dtype)
+        if kind is None or row_dtype != x_dtype:
+            return None
+        down = 2 * self.intermediate * self.hidden * row_dtype.itemsize  # bytes before the down part
+        return kind, (0, 0, 0, down, 0, 0), 0
 
     def forward(self, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
         """Raw output [t, H] of the expert in ``row`` for its tokens ``x`` [t, H]: down(act(gate(x)) * up(x)).
 
         Computed where ``row`` is: tokens on another device (device tokens, a host row) go to the
-        row's device, and only the [t, H] output comes back.
+        row's device, and only the [t, H] output comes back. A CPU row takes the one-call kernel
+        where it applies (moespec.kernels.swiglu), else the two products below (its reference).
         """
+        xr = x if x.device == row.device else x.to(row.device)
+        y = swiglu_expert(xr, row, self, act)
+        if y is not None:
+            return y if y.device == x.device else y.to(x.device)
         gate_up, down = self.linear_weights(row)
-        xr = x.to(row.device)  # no-op when both are on the same device
         h = self.act_and_mul(linear(xr, gate_up, self.act_int8), act)  # [t, I]
         return linear(h, down, self.act_int8).to(x.device)  # [t, H]

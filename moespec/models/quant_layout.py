@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moespec.errors import CheckpointError
+from moespec.kernels import native
 from moespec.kernels.lowbit import LowBitWeight, dequantize
 from moespec.models.layout import ExpertLayout
 from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize_reference,
@@ -97,6 +98,14 @@ class QuantLayout(ExpertLayout):
         (a, b), (c, d), (e, f) = self._ranges[name]
         rows, cols = self._shapes()[name]
         return LowBitWeight(self.bits, rows, cols, self.group_size, row[e:f], row[a:b].view(SCALE_DTYPE), row[c:d])
+
+    def native_parts(self, row_dtype: torch.dtype, x_dtype: torch.dtype):
+        """(kernel kind, byte offsets (codes, scales, zeros) of gate_up then down, group size) for the
+        one-call CPU kernel (moespec.kernels.swiglu)."""
+        (s1, _), (z1, _), (w1, _) = self._ranges["gate_up"]
+        (s2, _), (z2, _), (w2, _) = self._ranges["down"]
+        kind = native.KIND_Q4 if self.bits == 4 else native.KIND_Q8
+        return kind, (w1, s1, z1, w2, s2, z2), self.group_size
 
     def unpack(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [2I, H] and down [H, I] dequantised to float32 (new tensors, not views)."""

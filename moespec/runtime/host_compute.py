@@ -156,10 +156,9 @@ class HostExpertPool:
         # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
         load = (lambda t: t) if x.device.type == "cpu" else (lambda t: t.to("cpu"))  # [t, H] d2h
         store = (lambda y: y) if self.device.type == "cpu" else (lambda y: y.to(self.device))  # [t, H] h2d
-        if weights is None:
-            return ExpertJob(x, None, forward=lambda xh: host_forward(layout, xh, row, act), load=load, store=store)
-        return ExpertJob(x, weights, glu=lambda g: layout.act_and_mul(g, act), act_int8=layout.act_int8, load=load,
-                         store=store)
+        glu = None if weights is None else (lambda g: layout.act_and_mul(g, act))
+        return ExpertJob(x, weights, glu=glu, act_int8=layout.act_int8, load=load, store=store,
+                         forward=lambda xh: host_forward(layout, xh, row, act))
 
     def submit_layer(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostJob]:
         """Start computing the experts ``items`` = [(expert, x [t, H])] of decoder layer ``layer``.
