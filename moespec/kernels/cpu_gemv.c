@@ -52,6 +52,8 @@ static inline __m256 u8x8(const uint8_t* p) {
 
 static inline i64 group_len(i64 j, i64 g, i64 C) { return (j + 1) * g <= C ? g : C - j * g; }
 
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
+
 /* ------------------------------------------------------------------------------------------ */
 /* Group sums of the activations: xs[t, j] = sum of x[t, c] over group j (the exact t = 1 kernels). */
 void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs) {
@@ -182,8 +184,8 @@ static float row_prep(const uint16_t* s, const uint8_t* z, const float* dmul, co
         q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0_, 4)), x1, q);            \
     } while (0)
 
-static void lowbit_t1(int bits, const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
-                      const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+static inline __attribute__((always_inline)) void lowbit_t1(const int bits, const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                      const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g, rb = C * bits / 8;
     const __m256i m15 = _mm256_set1_epi32(15);
     float sv0[G], sv1[G];
@@ -224,6 +226,28 @@ static void lowbit_t1(int bits, const float* x, const float* xs, const uint8_t* 
         y[r] = hsum(acc0) - z0;
         if (r2 != r) y[r2] = hsum(acc1) - z1;
     }
+}
+
+/* The bit width and the group size as constants in each instance (measured: 3.5 -> 4.9 weights per
+ * cycle for q8, g = 64, L2-resident), so each loop compiles without the other's branch and a
+ * group's blocks unroll. CASE_G(f, ...) calls f with g = 32, 64, 128, 256 or the variable. */
+#define CASE_G(call_g)                                                                             \
+    switch (g) {                                                                                   \
+        case 32: call_g(32); break;                                                                \
+        case 64: call_g(64); break;                                                                \
+        case 128: call_g(128); break;                                                              \
+        case 256: call_g(256); break;                                                              \
+        default: call_g(g); break;                                                                 \
+    }
+static void q8_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
+                  i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q8_T1(G_) lowbit_t1(8, x, xs, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q8_T1)
+}
+static void q4_t1(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
+                  i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q4_T1(G_) lowbit_t1(4, x, xs, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q4_T1)
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -276,57 +300,130 @@ void dequant_q8(const uint8_t* codes, const uint16_t* scales, const uint8_t* zer
 #undef DQ
 }
 
-/* bf16 rows [r0, r1) -> float32 [r1 - r0, C] (exact). */
-static void dequant_bf16(const uint16_t* w, i64 C, float* out, i64 r0, i64 r1) {
-    for (i64 r = r0; r < r1; r++) {
-        const uint16_t* p = w + r * C;
-        float* o = out + (r - r0) * C;
-        i64 k = 0;
-        for (; k + 8 <= C; k += 8) _mm256_storeu_ps(o + k, bf16x8(p + k));
-        for (; k < C; k++) {
-            uint32_t bits = (uint32_t)p[k] << 16;
-            memcpy(o + k, &bits, 4);
-        }
-    }
-}
 
 /* ------------------------------------------------------------------------------------------ */
-/* Several tokens: two float32 rows w0, w1 [C] times up to 4 tokens; y[t, r], y[t, r + 1] written
- * (w1 == NULL: one row). */
-static void rows2_tokens(const float* w0, const float* w1, const float* x, i64 T, i64 ldx, i64 C,
-                         float* y, i64 ldy, i64 r) {
-    for (i64 t0 = 0; t0 < T; t0 += 4) {
-        const i64 nt = T - t0 < 4 ? T - t0 : 4;
-        const float* xt[4];
-        for (i64 i = 0; i < 4; i++) xt[i] = x + (t0 + (i < nt ? i : 0)) * ldx;
-        __m256 a[2][4];
-        for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
-        i64 k = 0;
-        for (; k + 8 <= C; k += 8) {
-            __m256 u0 = _mm256_loadu_ps(w0 + k);
-            __m256 u1 = w1 ? _mm256_loadu_ps(w1 + k) : u0;
-            for (int i = 0; i < 4; i++) {
-                __m256 xv = _mm256_loadu_ps(xt[i] + k);
-                a[0][i] = _mm256_fmadd_ps(u0, xv, a[0][i]);
-                a[1][i] = _mm256_fmadd_ps(u1, xv, a[1][i]);
-            }
+/* Several tokens: blocks of RB rows are dequantised (exactly as the reference: (q - z) * s) KC columns
+ * at a time into an L1-sized buffer, then multiplied with tiles of up to 4 tokens, two rows at a
+ * time (8 accumulators), adding into y; x's tile and the buffer stay in L1 (measured: the whole-row
+ * version streamed x from L2 and ran at a third of the FMA rate). */
+#define KC 256
+#define RB 8
+#define LD (KC + 16)  /* buffer row stride: not a multiple of 4 KiB, so rows do not share L1 sets */
+
+static inline void copy_floats(float* dst, const float* src, i64 n) {
+    i64 k = 0;
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, _mm256_loadu_ps(src + k));
+    for (; k < n; k++) dst[k] = src[k];
+}
+
+/* Columns [k0, k1) of row r, dequantised into out[0 .. k1 - k0) (k0 a multiple of 32). */
+static void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+                        i64 r, i64 k0, i64 k1, float* out) {
+    if (kind == KIND_BF16) {
+        const uint16_t* p = (const uint16_t*)w + r * C;
+        i64 k = k0;
+        for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(out + k - k0, bf16x8(p + k));
+        for (; k < k1; k++) {
+            uint32_t bits = (uint32_t)p[k] << 16;
+            memcpy(out + k - k0, &bits, 4);
         }
-        for (i64 i = 0; i < nt; i++) {
-            float s0 = hsum(a[0][i]), s1 = hsum(a[1][i]);
-            for (i64 kk = k; kk < C; kk++) {
-                s0 += w0[kk] * xt[i][kk];
-                if (w1) s1 += w1[kk] * xt[i][kk];
-            }
-            y[(t0 + i) * ldy + r] = s0;
-            if (w1) y[(t0 + i) * ldy + r + 1] = s1;
+        return;
+    }
+    const i64 G = (C + g - 1) / g;
+    const uint8_t* zr = zeros + r * G;
+    const uint16_t* sr = scales + r * G;
+#define DQ(v, dst, j) _mm256_storeu_ps((dst), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32((v), \
+                          _mm256_set1_epi32(zr[j]))), _mm256_set1_ps(half_to_float(sr[j]))))
+    if (kind == KIND_Q8) {
+        const uint8_t* b = (const uint8_t*)w + r * C;
+        for (i64 k = k0; k < k1; k += 8) DQ(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k))), out + k - k0, k / g);
+        return;
+    }
+    const uint8_t* b = (const uint8_t*)w + r * (C / 2);
+    const __m256i m15 = _mm256_set1_epi32(15);
+    i64 k = k0;
+    for (; k + 32 <= k1 && k + 32 <= C / 32 * 32; k += 32) {
+        const i64 j = k / g;
+        __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
+        __m256i v0 = _mm256_cvtepu8_epi32(bb), v1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bb, bb));
+        DQ(_mm256_and_si256(v0, m15), out + k - k0, j);
+        DQ(_mm256_and_si256(v1, m15), out + k - k0 + 8, j);
+        DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 16, j);
+        DQ(_mm256_srli_epi32(v1, 4), out + k - k0 + 24, j);
+    }
+    if (k < k1) {  /* the row's last block of 16 */
+        __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k / 2)));
+        DQ(_mm256_and_si256(v0, m15), out + k - k0, k / g);
+        DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 8, k / g);
+    }
+#undef DQ
+}
+
+/* y[t, r], y[t, r + 1] += the dot products of rows u0, u1 [n] with tokens x[t, 0 .. n) for t < nt
+ * (nt <= 4; u1 == u0 for a single row, written once). */
+static void micro_2x4(const float* u0, const float* u1, const float* x, i64 ldx, i64 nt, i64 n, float* y,
+                      i64 ldy, i64 r, int two) {
+    const float* xt[4];
+    for (i64 i = 0; i < 4; i++) xt[i] = x + (i < nt ? i : nt - 1) * ldx;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    i64 k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 w0 = _mm256_loadu_ps(u0 + k), w1 = _mm256_loadu_ps(u1 + k);
+        __m256 xv = _mm256_loadu_ps(xt[0] + k);
+        a00 = _mm256_fmadd_ps(w0, xv, a00);
+        a10 = _mm256_fmadd_ps(w1, xv, a10);
+        xv = _mm256_loadu_ps(xt[1] + k);
+        a01 = _mm256_fmadd_ps(w0, xv, a01);
+        a11 = _mm256_fmadd_ps(w1, xv, a11);
+        xv = _mm256_loadu_ps(xt[2] + k);
+        a02 = _mm256_fmadd_ps(w0, xv, a02);
+        a12 = _mm256_fmadd_ps(w1, xv, a12);
+        xv = _mm256_loadu_ps(xt[3] + k);
+        a03 = _mm256_fmadd_ps(w0, xv, a03);
+        a13 = _mm256_fmadd_ps(w1, xv, a13);
+    }
+    float s[2][4] = {{hsum(a00), hsum(a01), hsum(a02), hsum(a03)}, {hsum(a10), hsum(a11), hsum(a12), hsum(a13)}};
+    for (; k < n; k++)
+        for (int i = 0; i < 4; i++) {
+            s[0][i] += u0[k] * xt[i][k];
+            s[1][i] += u1[k] * xt[i][k];
         }
+    for (i64 i = 0; i < nt; i++) {
+        y[i * ldy + r] += s[0][i];
+        if (two) y[i * ldy + r + 1] += s[1][i];
     }
 }
 
-/* Two rows of scratch (2 x C floats) on the stack up to this many columns, else on the heap. */
-#define STACK_COLS 8192
+static int linear_tokens(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
+                         const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1) {
+    /* Why both buffers: rows of 2^k floats (H = 2048, ...) put every weight row and token row in the
+     * same L1 sets (a multiple of 4 KiB apart); packed at stride LD they do not (the micro-kernel
+     * alone runs at 2 FMA/cycle on packed rows, 1.5 on 8 KiB-strided ones). */
+    float buf[RB * LD], xb[4 * LD];
+    for (i64 r = r0; r < r1; r += RB) {
+        const i64 nr = r1 - r < RB ? r1 - r : RB;
+        for (i64 t = 0; t < T; t++)
+            for (i64 i = 0; i < nr; i++) y[t * ldy + r + i] = 0.0f;
+        for (i64 k0 = 0; k0 < C; k0 += KC) {
+            const i64 kc = C - k0 < KC ? C - k0 : KC;
+            for (i64 i = 0; i < nr; i++) {
+                if (kind == KIND_F32) copy_floats(buf + i * LD, (const float*)w + (r + i) * C + k0, kc);
+                else decode_cols(kind, w, scales, zeros, C, g, r + i, k0, k0 + kc, buf + i * LD);
+            }
+            for (i64 t0 = 0; t0 < T; t0 += 4) {
+                const i64 nt = T - t0 < 4 ? T - t0 : 4;
+                for (i64 i = 0; i < nt; i++) copy_floats(xb + i * LD, x + (t0 + i) * ldx + k0, kc);
+                for (i64 i = 0; i < nr; i += 2) {
+                    const int two = i + 1 < nr;
+                    micro_2x4(buf + i * LD, buf + (two ? i + 1 : i) * LD, xb, LD, nt, kc, y + t0 * ldy, ldy,
+                              r + i, two);
+                }
+            }
+        }
+    }
+    return 0;
+}
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
 
 /* The one entry point for float32 activations (exact).
  *   kind: KIND_*; w: the weight (f32/bf16) or the codes (q8/q4); scales/zeros: q8/q4 only;
@@ -343,29 +440,12 @@ int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const
         switch (kind) {
             case KIND_F32: f32_t1(x, (const float*)w, C, y, r0, r1); return 0;
             case KIND_BF16: bf16_t1(x, (const uint16_t*)w, C, y, r0, r1); return 0;
-            case KIND_Q8: lowbit_t1(8, x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
-            case KIND_Q4: lowbit_t1(4, x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            case KIND_Q8: q8_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+            case KIND_Q4: q4_t1(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
             default: return -1;
         }
     }
-    if (kind == KIND_F32) {
-        const float* wf = (const float*)w;
-        for (i64 r = r0; r < r1; r += 2)
-            rows2_tokens(wf + r * C, r + 1 < r1 ? wf + (r + 1) * C : NULL, x, T, ldx, C, y, ldy, r);
-        return 0;
-    }
-    float stack_buf[C <= STACK_COLS ? 2 * C : 1];
-    float* buf = C <= STACK_COLS ? stack_buf : (float*)malloc(sizeof(float) * 2 * C);
-    if (!buf) return -1;
-    for (i64 r = r0; r < r1; r += 2) {
-        const i64 n = r + 1 < r1 ? 2 : 1;
-        if (kind == KIND_BF16) dequant_bf16((const uint16_t*)w, C, buf, r, r + n);
-        else if (kind == KIND_Q8) dequant_q8((const uint8_t*)w, scales, zeros, C, g, buf, r, r + n);
-        else dequant_q4((const uint8_t*)w, scales, zeros, C, g, buf, r, r + n);
-        rows2_tokens(buf, n == 2 ? buf + C : NULL, x, T, ldx, C, y, ldy, r);
-    }
-    if (buf != stack_buf) free(buf);
-    return 0;
+    return linear_tokens(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -436,7 +516,65 @@ static inline __m256i sum_i16_pairs(__m256i v) { return _mm256_madd_epi16(v, _mm
         ia = _mm256_add_epi32(ia, _mm256_inserti128_si256(_mm256_setzero_si256(), p_, 0));         \
     } while (0)
 
-static void lowbit_a8_t1(int bits, const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+/* q4 x int8, four rows at a time (g a compile-time constant in each instance, so a group's blocks unroll): a 32-column block is loaded into both 128-bit lanes and shifted by
+ * 0 / 4 bits per lane (one vpsrlvd) to give its 32 codes in order; products of a group are summed
+ * in int16 before one vpmaddwd (a pair is at most 2 * 15 * 127 = 3810, so a group of up to 256
+ * columns, 8 blocks, stays below 32767). */
+static inline __attribute__((always_inline)) void q4_a8_rows4_g(const int8_t* xq, const float* d, const float* qsum,
+        const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0,
+        i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C / 2;
+    const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    float sv[4][G];
+    for (i64 r = r0; r < r1; r += 4) {
+        i64 rr[4];
+        const uint8_t* b[4];
+        float zt[4];
+        __m256 acc[4];
+        for (int i = 0; i < 4; i++) {
+            rr[i] = r + i < r1 ? r + i : r1 - 1;
+            b[i] = codes + rr[i] * rb;
+            zt[i] = row_prep(scales + rr[i] * G, zeros + rr[i] * G, d, qsum, 0.0f, G, sv[i]);
+            acc[i] = _mm256_setzero_ps();
+        }
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m256i s16[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                              _mm256_setzero_si256()};
+            i64 k = k0;
+            for (; k + 32 <= k1; k += 32) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                for (int i = 0; i < 4; i++) {
+                    __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(b[i] + k / 2)));
+                    c = _mm256_and_si256(_mm256_srlv_epi32(c, shift), m15);
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(c, q));
+                }
+            }
+            if (k < k1) {  /* the last 16 columns of a row */
+                const __m128i q16 = _mm_loadu_si128((const __m128i*)(xq + k));
+                for (int i = 0; i < 4; i++) {
+                    __m128i bb = _mm_loadl_epi64((const __m128i*)(b[i] + k / 2));
+                    __m128i c = _mm_and_si128(_mm_unpacklo_epi64(bb, _mm_srli_epi16(bb, 4)), _mm_set1_epi8(15));
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                                              _mm_maddubs_epi16(c, q16), 0));
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones)),
+                                         _mm256_broadcast_ss(sv[i] + j), acc[i]);
+        }
+        for (int i = 0; i < 4 && r + i < r1; i++) y[r + i] = hsum(acc[i]) - zt[i];
+    }
+}
+
+static void q4_a8_rows4(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                        const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q4_A8(G_) q4_a8_rows4_g(xq, d, qsum, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q4_A8)
+}
+
+static inline __attribute__((always_inline)) void lowbit_a8_t1(int bits, const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
                          const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g, rb = C * bits / 8;
     const __m256i m15 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8((char)0x80);
@@ -470,6 +608,12 @@ static void lowbit_a8_t1(int bits, const int8_t* xq, const float* d, const float
     }
 }
 
+static void q8_a8_t1(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q8_A8(G_) lowbit_a8_t1(8, xq, d, qsum, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q8_A8)
+}
+
 /* The entry point for int8 activations (from quantize_act): kind KIND_Q8 or KIND_Q4; tokens one by
  * one over each block of 8 rows, so a block's codes are read from memory once. */
 int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T,
@@ -479,9 +623,12 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
-        for (i64 t = 0; t < T; t++)
-            lowbit_a8_t1(kind == KIND_Q4 ? 4 : 8, xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g,
-                         y + t * ldy, r, re);
+        for (i64 t = 0; t < T; t++) {
+            if (kind == KIND_Q4)
+                q4_a8_rows4(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+            else
+                q8_a8_t1(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+        }
     }
     return 0;
 }
