@@ -140,3 +140,31 @@ def test_one_call_expert_equals_its_two_call_reference(fmt, tokens):
     tol = {"bfloat16": 2 * 2**-8, "w4a8": 2e-5}.get(fmt, 2e-6)
     assert _rel(got, want) < tol
     assert swiglu_expert(x, row, layout, torch.nn.functional.gelu) is None  # other activations: two calls
+
+
+def test_a_cpu_without_the_features_runs_the_reference_with_a_one_line_note(tiny_models, monkeypatch):
+    """No AVX2: no crash, the reference path, the loader's one-line note says so; the same logits."""
+    from moespec.config import Predictor, RuntimeConfig
+    from moespec.runtime.offload import load_offloaded
+
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(7))
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.NONE, expert_dtype="int4")
+    out = {}
+    for flags in (None, {"sse4_2", "avx"}):
+        if flags is not None:
+            monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+        native.status.cache_clear()
+        try:
+            om = load_offloaded(tiny_models["qwen3_moe"], cfg)
+            with torch.inference_mode():
+                out[flags is None] = om.model(ids).logits
+            notes = om.notes
+            om.close()
+        finally:
+            native.status.cache_clear()
+        if flags is None:
+            assert notes == []
+        else:
+            assert notes == ["this CPU lacks AVX2/FMA/F16C: experts computed on the CPU use the reference path "
+                             "(dequantise, then matmul)"]
+    assert torch.allclose(out[True], out[False], atol=1e-5, rtol=0)

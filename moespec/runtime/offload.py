@@ -331,8 +331,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         rule, note = _rule_factory(cfg, policy, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
         cache.set_rule(rule)
         runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
-                            [note] if note else [])
+        notes = [n for n in (note, _kernel_note(layout, device, cfg)) if n]
+        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.set_on_miss(cfg.on_miss)
     except BaseException:
         if om is not None:
@@ -343,6 +343,16 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
             store.close()
         raise
     return om
+
+
+def _kernel_note(layout, device: torch.device, cfg: RuntimeConfig) -> str | None:
+    """The one-line note when experts will be computed on the CPU (a CPU run, or misses on the host)
+    without the native kernels (moespec.kernels.native: no AVX2/FMA/F16C, no compiler, ...)."""
+    from moespec.kernels import native
+
+    if device.type != "cpu" and cfg.on_miss == OnMiss.FETCH:
+        return None
+    return native.status().note
 
 
 def _residual_hook(runner: MoeLayerRunner, layer: int):
