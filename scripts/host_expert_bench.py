@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default=",".join(map(str, range(1, cores + 1))), help="worker threads (comma list)")
     ap.add_argument("--split", default="auto", choices=[s.value for s in Split], help="how a batch is cut")
     ap.add_argument("--reps", type=int, default=5, help="timed passes over every expert")
+    ap.add_argument("--per-dispatch", type=int, default=0,
+                    help="experts per dispatch (default: the shape's top-k, 8 or 4)")
     ap.add_argument("--reference", action="store_true", help="also time the slow reference at one thread")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     for shape in args.shapes.split(","):
         hidden, inter, k = SHAPES[shape]
+        k = args.per_dispatch or k
         for fmt in args.formats.split(","):
             store, dtype = make_store(fmt, hidden, inter, k)
             row_bytes = store.expert_bytes
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             del store
     print(json.dumps({"bench": "host_expert", "kernels": "native" if status.lib else status.note,
                       "machine": platform.machine(), "cores": cores, "torch": torch.__version__,
-                      "split": args.split, "reps": args.reps, "experts_per_dispatch": {s: SHAPES[s][2] for s in SHAPES},
+                      "split": args.split, "reps": args.reps,
+                      "experts_per_dispatch": {s: args.per_dispatch or SHAPES[s][2] for s in SHAPES},
                       "rows": rows}))
     return 0
 

@@ -3,8 +3,9 @@
     python scripts/host_tpot.py [MODEL] [--rounds 3] [--gen 32] [--arms host8:auto,host8:int4,all:auto,all:int4]
 
 An arm is ``CACHE:EXPERT_DTYPE``: CACHE ``hostN`` = ``--cache-experts N --on-miss host`` (every miss
-computed by the host pool from its store row), ``all`` = every expert resident (the CPU slots, no
-misses); EXPERT_DTYPE as ``--expert-dtype`` (auto = the checkpoint's float32 on the default model).
+computed by the host pool from its store row; ``hostNxT``: with ``--host-threads T``), ``all`` =
+every expert resident (the CPU slots, no misses); EXPERT_DTYPE as ``--expert-dtype`` (auto = the
+checkpoint's float32 on the default model).
 Every arm is loaded once in this one process (CPU, --predictor none, LRU, torch on one thread, the
 host pool on its default threads, --execute exact); each decode step runs once on each arm, the
 order rotating every step, so a burst of load on a shared machine hits all arms alike. Each round
@@ -32,7 +33,9 @@ def _load(model: str, arm: str, host_threads: int | None):
 
     cache, expert_dtype = arm.split(":")
     host = cache.startswith("host")
-    cfg = RuntimeConfig(cache_experts=int(cache[4:]) if host else None, predictor=Predictor.NONE, device="cpu",
+    slots, _, threads = cache[4:].partition("x")
+    host_threads = int(threads) if threads else host_threads
+    cfg = RuntimeConfig(cache_experts=int(slots) if host else None, predictor=Predictor.NONE, device="cpu",
                         expert_dtype=expert_dtype, cache_policy=CachePolicy.LRU,
                         on_miss=OnMiss.HOST if host else OnMiss.FETCH, host_threads=host_threads)
     return Engine(load_offloaded(model, cfg), reuse_kv=False)

@@ -75,6 +75,13 @@ def test_prefill_chunks_and_other_devices_take_the_gemm_path():
     assert L.plan(x, w) == "gemm" and L.plan(x, w, act_int8=True) == "gemm"
     assert torch.equal(L.linear(x, w), L.linear_reference(x, w))  # the same dequantised weights, F.linear
     assert L.plan(torch.randn(1, 64, dtype=torch.float16), w) == "gemm"
+    dense, x1 = torch.randn(8, 64), torch.randn(1, 64)
+    torch.set_num_threads(2)  # a compute thread with intra-op threads: float weights keep F.linear
+    try:
+        assert L.plan(x1, dense) == "gemm" and L.plan(x1, w) == "fused"
+    finally:
+        torch.set_num_threads(1)
+    assert L.plan(x1, dense) == "fused"
 
 
 def test_rows_split_over_calls_equal_one_call():

@@ -64,9 +64,14 @@ def _weight_ok(w) -> bool:
 
 
 def plan(x: torch.Tensor, w, act_int8: bool = False) -> str:
-    """Which path :func:`linear` takes for x [T, C] and ``w``: "fused", "a8" or "gemm"."""
+    """Which path :func:`linear` takes for x [T, C] and ``w``: "fused", "a8" or "gemm".
+
+    A float weight on a thread with several torch intra-op threads (a CPU run's compute thread with
+    --threads > 1) keeps F.linear, which uses them; the kernels run on one thread (the host pool's
+    workers run one intra-op thread each, so they take the kernels).
+    """
     if (x.shape[0] > FUSED_MAX_TOKENS or x.device.type != "cpu" or x.dtype not in _KIND or not _weight_ok(w)
-            or native.library() is None):
+            or native.library() is None or (not isinstance(w, LowBitWeight) and torch.get_num_threads() > 1)):
         return "gemm"
     return "a8" if act_int8 and isinstance(w, LowBitWeight) else "fused"
 

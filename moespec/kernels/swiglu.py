@@ -51,7 +51,7 @@ def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout, act) -> torch.Tens
             or x.dtype not in (torch.float32, torch.bfloat16) or not is_silu(act) or not row.is_contiguous()):
         return None
     parts = layout.native_parts(row.dtype, x.dtype)
-    if parts is None:
+    if parts is None or (parts[2] == 0 and torch.get_num_threads() > 1):  # float rows: as linear.plan
         return None
     kind, offsets, group = parts
     t = x.shape[0]
