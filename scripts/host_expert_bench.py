@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     status = native.status()
-    print(f"kernels: {'native (cpu_gemv.c)' if status.lib else status.note}")
+    print(f"kernels: {'native (moespec/kernels/csrc)' if status.lib else status.note}")
     print(f"cpu: {platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}")
     rows, mem_cache = [], {}
     head = f"{'shape':8} {'rows':9} {'t':>3} {'thr':>3} {'ms/expert':>10} {'row GB/s':>9} {'mem GB/s':>9} {'share':>6}"

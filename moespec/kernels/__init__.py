@@ -4,5 +4,5 @@
   int4 nibble order), packing and dequantisation in torch (any device).
 - :mod:`moespec.kernels.linear`: ``linear(x, w)`` on the fastest path, ``linear_reference`` beside it,
   and the row-split form threads use.
-- :mod:`moespec.kernels.native`: the C kernels (cpu_gemv.c), built on first use, or why not.
+- :mod:`moespec.kernels.native`: the C kernels (csrc/*.c), built on first use, or why not.
 """

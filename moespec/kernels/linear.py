@@ -11,7 +11,7 @@ same way): ``w`` is a float32 or bfloat16 tensor [R, C] or a :class:`~moespec.ke
     threads (each call computes rows [r0, r1) and releases the GIL while the kernel runs).
 
 Which kernel runs (:func:`plan`):
-  - t <= FUSED_MAX_TOKENS, CPU tensors, kernels loaded: the native GEMV (cpu_gemv.c): the weight is
+  - t <= FUSED_MAX_TOKENS, CPU tensors, kernels loaded: the native GEMV (csrc/): the weight is
     read once, low-bit codes are dequantised in registers. float32 activations: exact (float32
     accumulation; the order of the sum differs from F.linear's, ~1e-7 relative). bfloat16 activations
     are computed in float32 and rounded once (as F.linear does in bfloat16).

@@ -9,7 +9,7 @@ not divide C). Each group has a float16 scale and a uint8 zero point: w = (code 
 Codes, row by row: int8 one byte each; int4 in blocks of 32 columns of 16 bytes, byte i holding
 code i in its low nibble and code i + 16 in its high nibble, and when C % 32 == 16 a last block of
 16 columns in 8 bytes (byte i: code i | code i + 8 << 4). One AND and one shift unpack a block
-into columns in order, in SIMD registers (cpu_gemv.c) and as whole-tensor torch ops
+into columns in order, in SIMD registers (csrc/t1.c) and as whole-tensor torch ops
 (:func:`unpack_codes`, on any device: the device path dequantises after the copy with it).
 
 Constraints the kernels need: g in :data:`SUPPORTED_GROUPS` and C a multiple of 16.

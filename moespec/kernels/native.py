@@ -1,4 +1,4 @@
-"""The native CPU kernels (cpu_gemv.c): built once per machine with the system C compiler, loaded by ctypes.
+"""The native CPU kernels (csrc/*.c): built once per machine with the system C compiler, loaded by ctypes.
 
 Why C through ctypes, not a library kernel: on this project's CPU (AMD EPYC, AVX2 + FMA, no AVX-512)
 PyTorch 2.13's packed CPU ops run the int4 product at 3.4 G weights/s (``_weight_int4pack_mm_for_cpu``,
@@ -28,11 +28,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_gemv.c")
+CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, a8.c, expert.c: one library
 # -fno-tree-loop-distribute-patterns: gcc turned the kernels' small copy loops into ``rep movsq``,
 # which took half the time of the several-token kernel on this project's AMD VM (perf annotate).
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11",
-         "-lm")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11")
 NEEDED = ("avx2", "fma", "f16c")
 KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 2, 3
 FALLBACK = "experts computed on the CPU use the reference path (dequantise, then matmul)"
@@ -83,11 +82,15 @@ def _build(out_dir: Path, cc: str) -> Path:
     from moespec.fsutil import atomic_path
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    lib = out_dir / f"cpu_gemv-{key}.so"
+    files = sorted(CSRC.glob("*.[ch]"))
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    lib = out_dir / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not lib.exists():
         with atomic_path(lib) as tmp:
-            subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True,
+            sources = [str(f) for f in files if f.suffix == ".c"]
+            subprocess.run([cc, *FLAGS, "-o", str(tmp), *sources, "-lm"], check=True, capture_output=True,
                            timeout=300)
     return lib
 

@@ -5,7 +5,7 @@ Shapes: t tokens, H hidden, I expert intermediate.
 Why: a decode expert of the default model (H 576, I 80) is ~140 k weights, ~15-30 us of kernel
 work; two Linear calls, a chunk, a SiLU and a product around them cost as much again in Python and
 dispatch. :func:`swiglu_expert` runs the gate_up product, the SiLU-and-product and the down product
-in C (cpu_gemv.c ``expert_swiglu``, the GIL released for all of it), reading the weights where the
+in C (csrc/expert.c ``expert_swiglu``, the GIL released for all of it), reading the weights where the
 row keeps them (``ExpertLayout.native_parts``: the kernel kind and the byte offsets of each weight's
 data, scales and zeros). The two-call path (``ExpertLayout.forward``) is its reference, and the
 fallback wherever this does not apply (another activation, a GPU row, more than FUSED_MAX_TOKENS
