@@ -20,10 +20,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant_tpot import _round  # noqa: E402  (scripts/ is sys.path[0]: the same interleaved round)
 
 
 def _load(model: str, arm: str, host_threads: int | None):
@@ -39,21 +40,6 @@ def _load(model: str, arm: str, host_threads: int | None):
                         expert_dtype=expert_dtype, cache_policy=CachePolicy.LRU,
                         on_miss=OnMiss.HOST if host else OnMiss.FETCH, host_threads=host_threads)
     return Engine(load_offloaded(model, cfg), reuse_kv=False)
-
-
-def _round(engines: dict, prompt: list[int], decode: list[int]) -> dict[str, float]:
-    """Mean decode TPOT (ms) of each engine over ``decode``, steps interleaved with a rotating order."""
-    names = list(engines)
-    for eng in engines.values():
-        eng.reset()
-        eng.forward(prompt, "prefill")
-    times = {n: [] for n in names}
-    for i, tok in enumerate(decode):
-        for n in names[i % len(names):] + names[: i % len(names)]:
-            t0 = time.perf_counter()
-            engines[n].forward([tok], "decode")  # CPU: returns when the step's host jobs are summed
-            times[n].append((time.perf_counter() - t0) * 1e3)
-    return {n: statistics.fmean(t) for n, t in times.items()}
 
 
 def main() -> int:

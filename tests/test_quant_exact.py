@@ -31,6 +31,19 @@ def _reference_logits(folder, layout: QuantLayout, ids):
         return ref(ids).logits
 
 
+def _run(folder, cfg: RuntimeConfig, ids):
+    """(layout, reference logits, full-sequence logits, token-by-token logits) of one load."""
+    om = load_offloaded(folder, cfg)
+    try:
+        layout = om.store.layout
+        want = _reference_logits(folder, layout, ids)
+        with torch.inference_mode():
+            full = om.model(ids).logits
+        return layout, want, full, _incremental_logits(om, ids)
+    finally:
+        om.close()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("expert_dtype,predictor", [("int4", Predictor.ROUTER), ("int8", Predictor.NONE)])
 def test_exact_equals_transformers_on_dequantised_experts(tiny_models, adapter_models, family, expert_dtype,
@@ -39,16 +52,8 @@ def test_exact_equals_transformers_on_dequantised_experts(tiny_models, adapter_m
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
     k = 2  # tiny models are top-2
     cfg = RuntimeConfig(cache_experts=2 * k + 1, predictor=predictor, expert_dtype=expert_dtype)
-    om = load_offloaded(folder, cfg)
-    try:
-        layout = om.store.layout
-        assert isinstance(layout, QuantLayout) and layout.bits == int(expert_dtype[3:])
-        want = _reference_logits(folder, layout, ids)
-        with torch.inference_mode():
-            full = om.model(ids).logits
-        inc = _incremental_logits(om, ids)
-    finally:
-        om.close()
+    layout, want, full, inc = _run(folder, cfg, ids)
+    assert isinstance(layout, QuantLayout) and layout.bits == int(expert_dtype[3:])
     assert torch.allclose(full, want, atol=1e-5, rtol=0), (full - want).abs().max()
     assert torch.allclose(inc, want, atol=1e-5, rtol=0), (inc - want).abs().max()
     assert torch.equal(inc.argmax(-1), want.argmax(-1))  # greedy tokens
@@ -83,16 +88,9 @@ def test_int8_activations_stay_within_their_stated_tolerance(tiny_models, adapte
     kernels; logits within A8_ATOL of transformers on the dequantised weights, and really different."""
     folder = _folder(tiny_models, adapter_models, family)
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
-    om = load_offloaded(folder, RuntimeConfig(cache_experts=5, predictor=Predictor.NONE, expert_dtype=expert_dtype))
-    try:
-        layout = om.store.layout
-        assert layout.act_int8 and layout.bits == int(expert_dtype[1])
-        want = _reference_logits(folder, layout, ids)
-        with torch.inference_mode():
-            full = om.model(ids).logits
-        inc = _incremental_logits(om, ids)
-    finally:
-        om.close()
+    cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.NONE, expert_dtype=expert_dtype)
+    layout, want, full, inc = _run(folder, cfg, ids)
+    assert layout.act_int8 and layout.bits == int(expert_dtype[1])
     for got in (full, inc):
         diff = float((got - want).abs().max())
         assert 1e-6 < diff < A8_ATOL, (family, expert_dtype, diff)

@@ -19,74 +19,51 @@ void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Dense rows, one token: 4 rows share each load of x (memory-bound streaming). */
-static void f32_t1(const float* x, const float* w, i64 C, float* y, i64 r0, i64 r1) {
-    i64 r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *w0 = w + r * C, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C;
+/* Dense rows, one token: 4 rows share each load of x (memory-bound streaming); bf16 a compile-time
+ * constant in each instance. */
+static inline float dense_w(const void* w, int bf16, i64 i) {
+    if (!bf16) return ((const float*)w)[i];
+    uint32_t bits = (uint32_t)((const uint16_t*)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) __m256 dense_w8(const void* w, const int bf16, i64 i) {
+    return bf16 ? bf16x8((const uint16_t*)w + i) : _mm256_loadu_ps((const float*)w + i);
+}
+
+static inline __attribute__((always_inline)) void dense_t1(const int bf16, const float* x, const void* w, i64 C,
+                                                           float* y, i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1; r += 4) {
+        const i64 n = r1 - r < 4 ? r1 - r : 4;  /* a short last block repeats its last row */
+        const i64 o0 = r * C, o1 = (r + (n > 1)) * C, o2 = (r + (n > 2) * 2) * C, o3 = (r + (n > 3) * 3) * C;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         i64 k = 0;
         for (; k + 8 <= C; k += 8) {
-            __m256 xv = _mm256_loadu_ps(x + k);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xv, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xv, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xv, a3);
+            const __m256 xv = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(dense_w8(w, bf16, o0 + k), xv, a0);
+            a1 = _mm256_fmadd_ps(dense_w8(w, bf16, o1 + k), xv, a1);
+            a2 = _mm256_fmadd_ps(dense_w8(w, bf16, o2 + k), xv, a2);
+            a3 = _mm256_fmadd_ps(dense_w8(w, bf16, o3 + k), xv, a3);
         }
-        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-        for (; k < C; k++) { s0 += w0[k] * x[k]; s1 += w1[k] * x[k]; s2 += w2[k] * x[k]; s3 += w3[k] * x[k]; }
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+        const i64 off[4] = {o0, o1, o2, o3};
+        for (; k < C; k++)
+            for (int i = 0; i < 4; i++) s[i] += dense_w(w, bf16, off[i] + k) * x[k];
+        for (i64 i = 0; i < n; i++) y[r + i] = s[i];
     }
-    for (; r < r1; r++) {
-        const float* w0 = w + r * C;
-        __m256 a0 = _mm256_setzero_ps();
-        i64 k = 0;
-        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), _mm256_loadu_ps(x + k), a0);
-        float s0 = hsum(a0);
-        for (; k < C; k++) s0 += w0[k] * x[k];
-        y[r] = s0;
-    }
+}
+
+static void f32_t1(const float* x, const float* w, i64 C, float* y, i64 r0, i64 r1) {
+    dense_t1(0, x, w, C, y, r0, r1);
 }
 
 static void bf16_t1(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
-    i64 r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const uint16_t *w0 = w + r * C, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        i64 k = 0;
-        for (; k + 8 <= C; k += 8) {
-            __m256 xv = _mm256_loadu_ps(x + k);
-            a0 = _mm256_fmadd_ps(bf16x8(w0 + k), xv, a0);
-            a1 = _mm256_fmadd_ps(bf16x8(w1 + k), xv, a1);
-            a2 = _mm256_fmadd_ps(bf16x8(w2 + k), xv, a2);
-            a3 = _mm256_fmadd_ps(bf16x8(w3 + k), xv, a3);
-        }
-        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-        for (; k < C; k++)
-            for (int i = 0; i < 4; i++) {
-                uint32_t bits = (uint32_t)w[(r + i) * C + k] << 16;
-                float wf;
-                memcpy(&wf, &bits, 4);
-                s[i] += wf * x[k];
-            }
-        for (int i = 0; i < 4; i++) y[r + i] = s[i];
-    }
-    for (; r < r1; r++) {
-        const uint16_t* w0 = w + r * C;
-        __m256 a0 = _mm256_setzero_ps();
-        i64 k = 0;
-        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(bf16x8(w0 + k), _mm256_loadu_ps(x + k), a0);
-        float s0 = hsum(a0);
-        for (; k < C; k++) {
-            uint32_t bits = (uint32_t)w0[k] << 16;
-            float wf;
-            memcpy(&wf, &bits, 4);
-            s0 += wf * x[k];
-        }
-        y[r] = s0;
-    }
+    dense_t1(1, x, w, C, y, r0, r1);
 }
 
+/* ------------------------------------------------------------------------------------------ */
 /* Low-bit rows, one token, exact: two rows at a time share every load of x; per group
  * p = sum q*x (vectors), acc += s * p; y = hsum(acc) - sum_j s_j z_j xs_j. An odd last row is
  * computed as both rows of a pair (written once). */

@@ -1,57 +1,7 @@
-/* Several tokens (t > 1), and the exact dequantisation of rows. */
+/* Several tokens (t > 1), and the exact dequantisation of rows (both through decode_cols). */
 #include "common.h"
 
 /* ------------------------------------------------------------------------------------------ */
-/* Exact dequantisation of rows [r0, r1) into out [r1 - r0, C] float32: (q - z) * s, one rounding,
- * as the torch reference computes it (bit for bit). */
-void dequant_q4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
-                float* out, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g, nb = C / 2;
-    const __m256i m15 = _mm256_set1_epi32(15);
-    for (i64 r = r0; r < r1; r++) {
-        const uint8_t* b = codes + r * nb;
-        float* o = out + (r - r0) * C;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            const __m256i z = _mm256_set1_epi32(zeros[r * G + j]);
-            const __m256 s = _mm256_set1_ps(half_to_float(scales[r * G + j]));
-#define DQ(v, dst) _mm256_storeu_ps((dst), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32((v), z)), s))
-            i64 k = k0;
-            for (; k + 32 <= k1; k += 32) {
-                __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
-                __m256i v0 = _mm256_cvtepu8_epi32(bb), v1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bb, bb));
-                DQ(_mm256_and_si256(v0, m15), o + k);
-                DQ(_mm256_and_si256(v1, m15), o + k + 8);
-                DQ(_mm256_srli_epi32(v0, 4), o + k + 16);
-                DQ(_mm256_srli_epi32(v1, 4), o + k + 24);
-            }
-            if (k < k1) {
-                __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k / 2)));
-                DQ(_mm256_and_si256(v0, m15), o + k);
-                DQ(_mm256_srli_epi32(v0, 4), o + k + 8);
-            }
-        }
-    }
-}
-
-void dequant_q8(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
-                float* out, i64 r0, i64 r1) {
-    const i64 G = (C + g - 1) / g;
-    for (i64 r = r0; r < r1; r++) {
-        const uint8_t* b = codes + r * C;
-        float* o = out + (r - r0) * C;
-        for (i64 j = 0; j < G; j++) {
-            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
-            const __m256i z = _mm256_set1_epi32(zeros[r * G + j]);
-            const __m256 s = _mm256_set1_ps(half_to_float(scales[r * G + j]));
-            for (i64 k = k0; k < k1; k += 8)
-                DQ(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k))), o + k);
-        }
-    }
-#undef DQ
-}
-
-
 /* ------------------------------------------------------------------------------------------ */
 /* Several tokens: blocks of RB rows are dequantised (exactly as the reference: (q - z) * s) KC columns
  * at a time into an L1-sized buffer, then multiplied with tiles of up to 4 tokens, two rows at a
@@ -173,4 +123,16 @@ int linear_tokens(int kind, const float* x, i64 T, i64 ldx, const void* w, const
         }
     }
     return 0;
+}
+
+/* Exact dequantisation of rows [r0, r1) into out [r1 - r0, C] float32: (q - z) * s, one rounding,
+ * as the torch reference computes it (bit for bit). */
+void dequant_q4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+                float* out, i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1; r++) decode_cols(KIND_Q4, codes, scales, zeros, C, g, r, 0, C, out + (r - r0) * C);
+}
+
+void dequant_q8(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+                float* out, i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1; r++) decode_cols(KIND_Q8, codes, scales, zeros, C, g, r, 0, C, out + (r - r0) * C);
 }
