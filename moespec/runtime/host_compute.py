@@ -199,6 +199,10 @@ class HostExpertPool:
         """
         return self.submit_layer(layer, [(expert, x)], act)[0]
 
+    def run_on_worker(self, fn):
+        """Run ``fn()`` on one worker thread and return what it returns (re-raises what it raised)."""
+        return self._pool.submit(fn).result()
+
     def close(self) -> None:
         """Finish the queued jobs and stop the workers."""
         self._pool.shutdown(wait=True)

@@ -183,9 +183,15 @@ class OffloadedModel:
 
             first = self.model.model.layers[self.store.moe_layers[0]].mlp
             what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
-            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
             threads = self.runtime_config.host_threads or default_host_threads(self.device)
-            runner.host = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
+            pool = HostExpertPool(self.store, self.device, threads)
+            try:  # host times on a worker: one intra-op thread and the CPU kernels, as its jobs run
+                costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what,
+                                      pool)
+            except BaseException:
+                pool.close()
+                raise
+            runner.host = MissPlanner(costs, pool)
         runner.on_miss = mode
 
     def max_context(self) -> int:
