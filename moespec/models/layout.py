@@ -9,10 +9,11 @@ packed format such as MXFP4 is moved packed and expanded only after the copy). T
 transformers 5's fused SwiGLU: [gate_up (2I*H, "halves": gate rows then up rows) | down (H*I)].
 
 Compute: a SwiGLU layout names its two Linear-shaped weights (:meth:`ExpertLayout.linear_weights`,
-views of the row: float tensors or low-bit weights) around :meth:`ExpertLayout.act_and_mul`, and
-:meth:`forward` multiplies through
-moespec.kernels.linear, which runs the CPU kernels where the row is on the CPU (a host row, a CPU
-slot) and F.linear elsewhere; the host pool splits the same two products across its threads.
+views of the row: float tensors or low-bit weights) around :meth:`ExpertLayout.act_and_mul`.
+:meth:`ExpertLayout.forward` runs a CPU row (a host row, a CPU slot) through the CPU kernels, the
+whole expert in one call where it can (moespec.kernels.swiglu), else both products through
+moespec.kernels.linear (F.linear on other devices); the host pool splits the same two products by
+output rows across its threads.
 """
 
 from __future__ import annotations
