@@ -5,7 +5,9 @@
 An arm is ``CACHE:EXPERT_DTYPE``: CACHE ``hostN`` = ``--cache-experts N --on-miss host`` (every miss
 computed by the host pool from its store row; ``hostNxT``: with ``--host-threads T``), ``all`` =
 every expert resident (the CPU slots, no misses); EXPERT_DTYPE as ``--expert-dtype`` (auto = the
-checkpoint's float32 on the default model).
+checkpoint's float32 on the default model; ``zero``: float32 rows whose experts return zeros, the
+TPOT of everything but the routed experts' compute, so ``X/all:auto`` can go no lower than
+``all:zero/all:auto`` by faster expert kernels alone).
 Every arm is loaded once in this one process (CPU, --predictor none, LRU, torch on one thread, the
 host pool on its default threads, --execute exact); each decode step runs once on each arm, the
 order rotating every step, so a burst of load on a shared machine hits all arms alike. Each round
@@ -33,13 +35,24 @@ def _load(model: str, arm: str, host_threads: int | None):
     from moespec.runtime.offload import load_offloaded
 
     cache, expert_dtype = arm.split(":")
+    zero = expert_dtype == "zero"
+    expert_dtype = "auto" if zero else expert_dtype
     host = cache.startswith("host")
     slots, _, threads = cache[4:].partition("x")
     host_threads = int(threads) if threads else host_threads
     cfg = RuntimeConfig(cache_experts=int(slots) if host else None, predictor=Predictor.NONE, device="cpu",
                         expert_dtype=expert_dtype, cache_policy=CachePolicy.LRU,
                         on_miss=OnMiss.HOST if host else OnMiss.FETCH, host_threads=host_threads)
-    return Engine(load_offloaded(model, cfg), reuse_kv=False)
+    om = load_offloaded(model, cfg)
+    if zero:  # the same runtime, routed experts computed as zeros (a subclass: the layout is frozen)
+        import dataclasses
+
+        import torch
+
+        layout = om.store.layout
+        kind = type("ZeroExperts", (type(layout),), {"forward": lambda self, x, row, act: torch.zeros_like(x)})
+        om.store.layout = kind(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
+    return Engine(om, reuse_kv=False)
 
 
 def main() -> int:
