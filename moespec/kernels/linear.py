@@ -11,7 +11,7 @@ same way): ``w`` is a float32 or bfloat16 tensor [R, C] or a :class:`~moespec.ke
     threads (each call computes rows [r0, r1) and releases the GIL while the kernel runs).
 
 Which kernel runs (:func:`plan`):
-  - t <= FUSED_MAX_TOKENS, CPU tensors, kernels loaded: the native GEMV (csrc/): the weight is
+  - t <= FUSED_MAX_TOKENS (float32 weights: FUSED_MAX_TOKENS_F32), CPU tensors, kernels loaded: the native GEMV (csrc/): the weight is
     read once, low-bit codes are dequantised in registers. float32 activations: exact (float32
     accumulation; the order of the sum differs from F.linear's, ~1e-7 relative). bfloat16 activations
     are computed in float32 and rounded once (as F.linear does in bfloat16).
@@ -33,8 +33,12 @@ from moespec.kernels import native
 from moespec.kernels.lowbit import LowBitWeight, dequantize
 
 # Above this many tokens a GEMM on dequantised weights beats the GEMV kernels (see README "Host
-# experts"): the kernels' work grows with t while a GEMM's per-token cost falls.
+# experts"): the kernels' work grows with t while a GEMM's per-token cost falls. Measured on this
+# project's CPU (one thread, Qwen3-30B-A3B expert): float32 rows at t = 16 took 9.8 ms in the kernels
+# and 8.1 ms in F.linear (MKL), at t = 4 4.5 against 6.2 ms, so float32 stops at 8; bfloat16 and
+# low-bit rows were still 1.8-2x faster in the kernels at t = 16.
 FUSED_MAX_TOKENS = 16
+FUSED_MAX_TOKENS_F32 = 8
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
 
 
@@ -63,6 +67,11 @@ def _weight_ok(w) -> bool:
     return w.device.type == "cpu" and w.dtype in _KIND and w.is_contiguous()
 
 
+def max_tokens(w) -> int:
+    """The most tokens the kernels take for ``w`` (more: F.linear)."""
+    return FUSED_MAX_TOKENS_F32 if isinstance(w, torch.Tensor) and w.dtype == torch.float32 else FUSED_MAX_TOKENS
+
+
 def plan(x: torch.Tensor, w, act_int8: bool = False) -> str:
     """Which path :func:`linear` takes for x [T, C] and ``w``: "fused", "a8" or "gemm".
 
@@ -70,7 +79,7 @@ def plan(x: torch.Tensor, w, act_int8: bool = False) -> str:
     --threads > 1) keeps F.linear, which uses them; the kernels run on one thread (the host pool's
     workers run one intra-op thread each, so they take the kernels).
     """
-    if (x.shape[0] > FUSED_MAX_TOKENS or x.device.type != "cpu" or x.dtype not in _KIND or not _weight_ok(w)
+    if (x.shape[0] > max_tokens(w) or x.device.type != "cpu" or x.dtype not in _KIND or not _weight_ok(w)
             or native.library() is None or (not isinstance(w, LowBitWeight) and torch.get_num_threads() > 1)):
         return "gemm"
     return "a8" if act_int8 and isinstance(w, LowBitWeight) else "fused"

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moespec.kernels import native
-from moespec.kernels.linear import FUSED_MAX_TOKENS
+from moespec.kernels.linear import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_F32
 
 
 def is_silu(act) -> bool:
@@ -52,6 +52,8 @@ def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout, act) -> torch.Tens
         return None
     parts = layout.native_parts(row.dtype, x.dtype)
     if parts is None or (parts[2] == 0 and torch.get_num_threads() > 1):  # float rows: as linear.plan
+        return None
+    if row.dtype == torch.float32 and x.shape[0] > FUSED_MAX_TOKENS_F32:  # as linear.plan: F.linear
         return None
     kind, offsets, group = parts
     t = x.shape[0]
