@@ -6,7 +6,7 @@ For each expert shape (Qwen3-30B-A3B: H 2048, I 768, k 8; GPT-OSS: H 2880, I 288
 format (float32, bfloat16, int8, int4 with float32 activations = exact; w8a8 / w4a8 = int8 / int4
 rows with int8 activations, not exact), it fills an expert store with enough distinct random
 experts that they are not cache-resident (>= 256 MB, 8..24 experts), and times the host pool
-(moespec.runtime.host_compute.HostExpertPool: one dispatch of k experts per layer, split by experts
+(moespec.runtime.misses.host_pool.HostExpertPool: one dispatch of k experts per layer, split by experts
 or rows) computing them for t tokens with 1..cores worker threads. Per row it prints ms per expert
 (median of --reps passes over every expert), GB/s of row bytes, the memory read GB/s of the same
 run with the same threads (``torch.sum`` over a 1 GB float32 tensor with that many intra-op
@@ -42,8 +42,8 @@ from moespec.kernels import native  # noqa: E402
 from moespec.kernels.expert_batch import Split  # noqa: E402
 from moespec.models.layout import ExpertLayout  # noqa: E402
 from moespec.models.quant_layout import QuantLayout  # noqa: E402
-from moespec.runtime.host_compute import HostExpertPool  # noqa: E402
-from moespec.runtime.store import ExpertStore  # noqa: E402
+from moespec.runtime.misses.host_pool import HostExpertPool  # noqa: E402
+from moespec.runtime.host.store import ExpertStore  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768, 8), "gpt-oss": (2880, 2880, 4)}  # H, I, experts per dispatch (top-k)
 FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8", "w4a8")

@@ -32,7 +32,7 @@ from quant_tpot import _round  # noqa: E402  (scripts/ is sys.path[0]: the same 
 def _load(model: str, arm: str, host_threads: int | None):
     from moespec.config import CachePolicy, OnMiss, Predictor, RuntimeConfig
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     cache, expert_dtype = arm.split(":")
     zero = expert_dtype == "zero"
@@ -88,7 +88,7 @@ def main() -> int:
         rounds.append({"round": k, "tpot_ms": t, "ratios": ratios})
         print(f"round {k}: " + ", ".join(f"{a} {v:.1f} ms" for a, v in t.items()) + "; "
               + ", ".join(f"{p} {r:.3f}" for p, r in ratios.items()), file=sys.stderr)
-    threads = {a: (e.om.runner.host.pool.threads if e.om.runner.host is not None else 0) for a, e in engines.items()}
+    threads = {a: (e.om.planner.pool.threads if e.om.planner is not None else 0) for a, e in engines.items()}
     for eng in engines.values():
         eng.om.close()
     summary = {p: {"min": min(v), "median": statistics.median(v), "max": max(v)}

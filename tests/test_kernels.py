@@ -154,7 +154,7 @@ def test_one_call_expert_equals_its_two_call_reference(fmt, tokens):
 def test_a_cpu_without_the_features_runs_the_reference_with_a_one_line_note(tiny_models, monkeypatch):
     """No AVX2: no crash, the reference path, the loader's one-line note says so; the same logits."""
     from moespec.config import Predictor, RuntimeConfig
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(7))
     cfg = RuntimeConfig(cache_experts=5, predictor=Predictor.NONE, expert_dtype="int4")

@@ -17,8 +17,8 @@ import moespec.models.quant_layout as quant_layout
 from moespec.cli.app import app
 from moespec.config import RuntimeConfig
 from moespec.errors import OptionError
-from moespec.runtime.offload import load_offloaded
-from moespec.runtime.quant_store_cache import cache_path
+from moespec.runtime.load import load_offloaded
+from moespec.runtime.host.quant_store import cache_path
 
 
 def _load(folder, **kw):
@@ -124,7 +124,7 @@ def test_an_older_row_format_is_rebuilt_never_misread(model):
 
     from safetensors import safe_open
 
-    import moespec.runtime.quant_store_cache as qsc
+    import moespec.runtime.host.quant_store as qsc
 
     first = _load(model)
     path = cache_path(model, first.store.layout)

@@ -18,7 +18,7 @@ copy, without torchao), and :func:`dequantize_reference` is torchao's ``dequanti
 
 Format history: 2 = groups of g consecutive weights of the whole projection (row-major, spanning
 rows) and int4 halves of the projection; 3 = groups along each row and int4 blocks of 32 (the CPU
-kernels need both). quant_store_cache.FORMAT follows it.
+kernels need both). runtime.host.quant_store.FORMAT follows it.
 """
 
 from __future__ import annotations

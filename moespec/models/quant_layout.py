@@ -26,7 +26,7 @@ import torch
 from moespec.errors import CheckpointError
 from moespec.kernels import native
 from moespec.kernels.lowbit import LowBitWeight, dequantize
-from moespec.models.layout import ExpertLayout
+from moespec.models.layout import ExpertKey, ExpertLayout
 from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize_reference,
                                   quantize)
 
@@ -170,8 +170,6 @@ class QuantLayout(ExpertLayout):
         Raises:
             CheckpointError: a tensor whose shape does not match the config (names both shapes).
         """
-        from moespec.models.base import ExpertKey
-
         h, i = self.hidden, self.intermediate
 
         def emit(layer: int, expert: int, proj: str, w: torch.Tensor, name: str):
