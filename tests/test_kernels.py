@@ -97,29 +97,6 @@ def test_rows_split_over_calls_equal_one_call():
     assert torch.equal(L.finish(p, y), L.linear(x, w))
 
 
-def test_without_native_kernels_everything_takes_the_reference(monkeypatch):
-    monkeypatch.setattr(native, "library", lambda: None)
-    w, x = _lowbit(4, 8, 64, 64), torch.randn(1, 64)
-    assert L.plan(x, w) == "gemm"
-    assert torch.equal(L.linear(x, w), L.linear_reference(x, w))
-
-
-@pytest.mark.parametrize("env,flags,match", [({"MOESPEC_CPU_KERNELS": "0"}, None, "MOESPEC_CPU_KERNELS=0"),
-                                             ({}, {"sse4_2", "avx"}, "this CPU lacks AVX2/FMA/F16C")])
-def test_status_says_why_there_are_no_kernels_in_one_line(monkeypatch, env, flags, match):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    if flags is not None:
-        monkeypatch.setattr(native, "cpu_flags", lambda: flags)
-    native.status.cache_clear()
-    try:
-        got = native.status()
-        assert got.lib is None and match in got.note and "\n" not in got.note
-        assert got.note.endswith("use the reference path (dequantise, then matmul)")
-    finally:
-        native.status.cache_clear()
-
-
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "w4a8"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_one_call_expert_equals_its_two_call_reference(fmt, tokens):
