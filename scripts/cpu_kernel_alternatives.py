@@ -87,7 +87,7 @@ def main() -> int:
         fn, tensors = inductor_int4(r, c, g)
         t0 = time.perf_counter()
         fn(torch.randn(1, c), *tensors)
-        compiled, compile_s = (lambda x: fn(x, *tensors)), time.perf_counter() - t0
+        compiled, compile_s = (lambda x, f=fn: f(x, *tensors)), time.perf_counter() - t0
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         x = torch.randn(t, c)
@@ -108,9 +108,9 @@ def main() -> int:
         }
         if compiled is not None:
             arms["inductor int4, f32 act"] = lambda: compiled(x)
-        for name, fn in arms.items():
+        for name, call in arms.items():
             calls = 3 if "f32 act" in name and "torch" in name else 20  # scalar loops: seconds
-            ms = best_ms(fn, calls)
+            ms = best_ms(call, calls)
             rows.append({"arm": name, "tokens": t, "ms": round(ms, 4), "gweights_per_s": round(r * c / ms / 1e6, 2)})
             print(f"t={t:2d}  {name:26s} {ms:9.3f} ms  {r * c / ms / 1e6:6.2f} G weights/s", flush=True)
     print(json.dumps({"rows": r, "cols": c, "group": g, "threads": 1, "torch": torch.__version__,

@@ -13,8 +13,8 @@ run with the same threads (``torch.sum`` over a 1 GB float32 tensor with that ma
 threads, best of 3, measured right before the row's timing) and the share (row GB/s / memory read).
 ``--reference`` adds, at one thread, the slow reference (dequantise, then F.linear) for comparison.
 
-Honest numbers: warm-up pass untimed, the same inputs for every arm, one process; run it alone
-(on the shared project machine: ``flock -x /work/locks/cpu python scripts/host_expert_bench.py``).
+Honest numbers: warm-up pass untimed, the same inputs for every arm, one process; run it on an
+otherwise idle machine (the memory read GB/s moves with what else runs).
 The last line of stdout is one JSON object (the config, versions and every row).
 
 Usage:
