@@ -1,14 +1,11 @@
 """The native CPU kernels (csrc/*.c): built once per machine with the system C compiler, loaded by ctypes.
 
-Why C through ctypes, not a library kernel: on this project's CPU (AMD EPYC, AVX2 + FMA, no AVX-512)
-PyTorch 2.13's packed CPU ops run the int4 product at 3.4 G weights/s (``_weight_int4pack_mm_for_cpu``,
-bf16 activations; float32 activations take a scalar loop, 14 ms per [1536, 2048]), int8 at 11 G/s
-with per-channel scales only (``_weight_int8pack_mm``), both with bfloat16 outputs, and K must be a
-multiple of the group (the default model's I = 80 is not); torchao's CPU layouts call the same ops,
-and inductor's code for dequantise-and-reduce ran at 8.6 ms per [1536, 2048] after a 58 s compile.
-The C kernels run the same product at 10-14 G weights/s with float32 activations (exact) and are
-memory-bound with int8 activations. ctypes releases the GIL for the call, so pool threads run
-kernels in parallel.
+Why C through ctypes, not a library kernel: on an AVX2 CPU without AVX-512 PyTorch's packed CPU
+ops (which torchao's CPU layouts call) are exact only with bfloat16 activations and outputs, take
+int8 with per-channel scales only and need K a multiple of the group; with float32 activations
+they run scalar loops. These kernels are exact with float32 activations and faster at t = 1
+(docs/decisions.md, 2026-12-01 "Host experts through moespec's own C kernels"). ctypes releases
+the GIL for the call, so pool threads run kernels in parallel.
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -mavx2 -mfma -mf16c`` (:data:`FLAGS`), once per source/compiler/flags
 (the file name carries their hash) into ``<moespec home>/kernels/``, written atomically (fsutil).
