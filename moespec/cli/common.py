@@ -105,10 +105,13 @@ Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, 
 ExpertDtype = typer.Option("auto", "--expert-dtype",
                            help="auto keeps the checkpoint's experts (GPT-OSS MXFP4 stays packed); int8 / int4 "
                                 "quantises them group-wise at load (~0.26x / ~0.14x the float32 bytes, cached "
-                                "for the next start); experts move packed and are dequantised after each copy. "
-                                "A float dtype (= --dtype) dequantises MXFP4 once at load.")
+                                "for the next start); experts move packed and are dequantised after each copy, "
+                                "or computed packed by the CPU kernels. w8a8 / w4a8: the same rows, and the "
+                                "CPU kernels quantise activations to int8 too (faster, not exact). A float "
+                                "dtype (= --dtype) dequantises MXFP4 once at load.")
 GroupSize = typer.Option(None, "--group-size",
-                         help="int8/int4: weights per scale and zero point (default 64); must divide I*H.")
+                         help="int8/int4: columns of a weight row per scale and zero point: 32, 64 "
+                              "(default), 128 or 256.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
 CachePolicyOpt = typer.Option(
     None, "--cache-policy",
@@ -128,7 +131,8 @@ OnMissOpt = typer.Option("fetch", "--on-miss",
                               "measured link and compute costs).")
 HostThreads = typer.Option(None, "--host-threads",
                            help="Worker threads computing misses on the host (--on-miss host/auto); "
-                                "default: from the free cores (CUDA keeps two for the launcher).")
+                                "default: the cores torch's threads leave free (CPU), all but two, at most 8 "
+                                "(CUDA: the launcher and the copy pump keep theirs).")
 ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
@@ -139,7 +143,9 @@ EstimatorPath = typer.Option(None, "--estimator",
 PredictorOpt = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid.")
 ExecuteOpt = typer.Option("exact", "--execute",
                           help="exact, speculative or guarded. exact equals transformers' default experts "
-                               "implementation at the same dtype (top-k outputs summed in float32, rounded once).")
+                               "implementation at the same dtype (top-k outputs summed in float32, rounded once; "
+                               "experts on the CPU compute in the model dtype, float32 sums in another order, "
+                               "except with --expert-dtype w8a8/w4a8, whose int8 activations are not exact).")
 CalibrationPath = typer.Option(None, "--calibration",
                                help="Calibration file for --predictor quasi (default: found automatically).")
 Threads = typer.Option(None, "--threads",

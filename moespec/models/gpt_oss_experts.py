@@ -46,6 +46,10 @@ class GptOssLayout(ExpertLayout):
     def covers(self, part: str) -> tuple[str, ...]:
         return (part,)
 
+    def linear_weights(self, row: torch.Tensor) -> None:
+        """None: transposed weights with biases and an interleaved GLU; :meth:`forward` computes the expert."""
+        return None
+
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[t, 2I] interleaved gate/up -> [t, I] clamped SwiGLU (transformers' GptOssExperts._apply_gate)."""
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [t, I] each

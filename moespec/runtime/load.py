@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from moespec.artifacts import model_key
-from moespec.config import CachePolicy, Predictor, RuntimeConfig, format_binary
+from moespec.config import CachePolicy, OnMiss, Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CalibrationError, CheckpointError, DeviceError, OptionError
+from moespec.kernels import native
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NoPredictor
@@ -219,8 +220,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
         predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
-                            [note] if note else [])
+        notes = [n for n in (note, _kernel_note(device, cfg)) if n]
+        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
         if om is not None:
@@ -231,6 +232,14 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
             store.close()
         raise
     return om
+
+
+def _kernel_note(device: torch.device, cfg: RuntimeConfig) -> str | None:
+    """The one-line note when experts will be computed on the CPU (a CPU run, or misses on the host)
+    without the native kernels (moespec.kernels.native: no AVX2/FMA/F16C, no compiler, ...)."""
+    if device.type != "cpu" and cfg.on_miss == OnMiss.FETCH:
+        return None
+    return native.status().note
 
 
 def _residual_hook(runner: MoeLayerRunner, layer: int):

@@ -28,7 +28,8 @@ from moespec.models.quant_layout import QuantLayout
 from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow
 from moespec.runtime.host.store import ExpertStore
 
-FORMAT = 2  # bump when the row layout or the arithmetic changes (2: int4 packs halves)
+FORMAT = 3  # bump when the row layout or the arithmetic changes (2: int4 packs halves; 3: groups along rows,
+# int4 in blocks of 32: moespec.models.quant)
 META_KEY = "moespec_quant_store"
 TENSOR = "experts"
 
