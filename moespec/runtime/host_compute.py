@@ -147,7 +147,7 @@ class HostExpertPool:
             t0 = time.perf_counter()
             # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
             xh = x if x.device.type == "cpu" else x.to("cpu")  # [t, H] d2h
-            y = host_forward(self.store.layout, xh, self.store.expert(layer, expert), act)  # [t, H]
+            y = host_forward(self.store.layout.for_layer(layer), xh, self.store.expert(layer, expert), act)  # [t, H]
             if self.device.type != "cpu":
                 y = y.to(self.device)  # [t, H] h2d: the only bytes that come back
             return HostResult(raw=y, start=t0, end=time.perf_counter(), tokens=x.shape[0])

@@ -323,7 +323,7 @@ class MoeLayerRunner:
         first and are collected after the device's experts, so both compute at the same time.
         """
         cache, rec = self.cache, self.recorder
-        layout = cache.store.layout
+        layout = cache.store.layout.for_layer(layer)
         timed = self.host is not None and self.on_miss == OnMiss.AUTO and self.host.costs.shared
         predicted_here = layer in self.prefetch_pins  # a layer that was predicted (its usefulness is measured)
         used = 0
