@@ -22,8 +22,12 @@ BESIDE_MODEL = "moespec-calibration.safetensors"
 
 def model_key(model_path: str | Path) -> str:
     """The id a model folder is known by: ``org/name`` for a Hub cache snapshot, the folder name for a
-    model moespec built (in ``moespec.paths.models_dir()``), else its absolute path."""
+    model moespec built (in ``moespec.paths.models_dir()``), the GGUF's key (its path, or
+    ``org/repo:QUANT``) for a folder moespec prepared for a GGUF, else its absolute path."""
     path = Path(os.path.abspath(Path(model_path).expanduser()))
+    gguf = _gguf_key(path)
+    if gguf is not None:
+        return gguf
     parts = path.parts
     for i in range(len(parts) - 2):
         if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
@@ -31,6 +35,21 @@ def model_key(model_path: str | Path) -> str:
     if path.parent == Path(os.path.abspath(models_dir())):
         return path.name
     return str(path)
+
+
+def _gguf_key(folder: Path) -> str | None:
+    """The key recorded in a folder moespec prepared for a GGUF (moespec.gguf.sidecar), or None."""
+    from moespec.gguf import SOURCE_FILE
+
+    marker = folder / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    import json
+
+    try:
+        return str(json.loads(marker.read_text(encoding="utf-8"))["key"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def legacy_model_key(model_path: str | Path) -> str:

@@ -183,3 +183,10 @@ def expert_format_of(layout: ExpertLayout) -> str | None:
         return None
     per = ["+".join(dict.fromkeys(lay.types()[p] for lay in layouts)) for p in ("gate", "up", "down")]
     return "gguf " + "/".join(per)
+
+
+def row_format(layout: ExpertLayout, dtype: torch.dtype) -> str:
+    """How a store's rows hold experts, for reports: "gguf Q4_K/Q4_K/Q6_K", "int4-g64", "mxfp4", "float32"."""
+    from moespec.models.quant_layout import expert_format
+
+    return expert_format_of(layout) or expert_format(layout, dtype)

@@ -128,6 +128,10 @@ def check_local_checkpoint(folder: Path, model: str) -> CheckpointFiles:
     Raises:
         CheckpointError: see :func:`select_files`; also an unreadable index.
     """
+    from moespec.gguf import SOURCE_FILE
+
+    if (folder / SOURCE_FILE).is_file():  # prepared by moespec for a GGUF: the weights are the GGUF's
+        return CheckpointFiles(meta=[p for p in local_files(folder) if _is_meta(p)], weights=[])
     index = None
     index_path = folder / INDEX_FILE
     if index_path.is_file():
