@@ -48,8 +48,8 @@ def make_config(family: str, hidden: int = 32, inter: int = 16, layers: int = 3,
         return Qwen3MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=experts,
                               head_dim=hidden // 4, norm_topk_prob=True, **common)
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=experts,
-                              shared_expert_intermediate_size=2 * inter, **common)
+        return Qwen2MoeConfig(**{"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "num_experts": experts,
+                                 "shared_expert_intermediate_size": 2 * inter, **common})
     if family == "mixtral":
         return MixtralConfig(intermediate_size=inter, num_local_experts=experts, **common)
     if family == "olmoe":

@@ -33,12 +33,15 @@ def random_model(family: str, seed: int = 0, **cfg):
 
 
 def write_gguf(folder: Path, family: str, types: ExportTypes = ExportTypes(), seed: int = 0, name: str | None = None,
-               shexp_gate_3d: bool = False, **cfg):
-    """(path of the GGUF, reference model) for ``family`` with tensors stored as ``types``."""
+               shexp_gate_3d: bool = False, split_max_tensors: int = 0, **cfg):
+    """(path of the GGUF, reference model) for ``family`` with tensors stored as ``types`` (a split set's
+    path is its first part's)."""
     folder.mkdir(parents=True, exist_ok=True)
     model = random_model(family, seed, **cfg)
     tokenizer = make_tokenizer(folder / "tokenizer")
     path = folder / (name or f"tiny-{family}-{types.experts}.gguf")
-    ref = export_gguf(model, path, types, tokenizer, seed=seed, shexp_gate_3d=shexp_gate_3d)
+    ref = export_gguf(model, path, types, tokenizer, seed=seed, shexp_gate_3d=shexp_gate_3d,
+                      split_max_tensors=split_max_tensors)
     model.load_state_dict(ref, strict=False)  # non-persistent buffers (rotary) are not in the file
-    return path, model
+    parts = sorted(folder.glob(f"{path.stem}-*-of-*.gguf"))
+    return (parts[0] if parts else path), model

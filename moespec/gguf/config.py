@@ -15,7 +15,7 @@ from moespec.errors import UnsupportedModelError
 from moespec.gguf.reader import GgufCheckpoint
 
 # GGUF architecture -> (what it is, the transformers model_type moespec runs it as).
-SUPPORTED = {"qwen3moe": "Qwen3-MoE", "qwen2moe": "Qwen2-MoE", "llama": "Mixtral (llama with experts)",
+SUPPORTED = {"qwen3moe": "Qwen3-MoE", "qwen2moe": "Qwen2-MoE", "llama": "Mixtral: llama with experts",
              "olmoe": "OLMoE", "gpt-oss": "GPT-OSS", "deepseek2": "DeepSeek-V2/V3, GLM-4.7-Flash"}
 
 

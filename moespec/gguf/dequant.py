@@ -213,8 +213,8 @@ def dequantize_reference(raw, ggml_type: int, shape: tuple[int, ...]) -> torch.T
     from gguf.quants import dequantize as np_dequantize
 
     data = raw.cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
-    if ggml_type == Q.BF16:  # gguf's BF16 reads 16-bit words
-        data = data.view(np.uint16)
+    if ggml_type in (Q.F32, Q.F16):  # gguf reads these as values, the others as bytes
+        data = data.view(np.float32 if ggml_type == Q.F32 else np.float16)
     return torch.from_numpy(np.ascontiguousarray(np_dequantize(data, Q(ggml_type)), dtype=np.float32)).view(shape)
 
 

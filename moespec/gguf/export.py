@@ -292,7 +292,8 @@ def _write_tokenizer(w, tokenizer, pre: str) -> None:
 
 
 def export_gguf(model, path: Path, types: ExportTypes = ExportTypes(), tokenizer=None, *, name: str = "moespec",
-                pre: str = "default", seed: int = 0, shexp_gate_3d: bool = False) -> dict[str, torch.Tensor]:
+                pre: str = "default", seed: int = 0, shexp_gate_3d: bool = False,
+                split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write ``model`` (a transformers MoE CausalLM) to ``path`` as llama.cpp would, tensor by tensor.
 
     Args:
@@ -301,6 +302,7 @@ def export_gguf(model, path: Path, types: ExportTypes = ExportTypes(), tokenizer
         pre: tokenizer.ggml.pre (the pre-tokenizer name llama.cpp chose).
         seed: for random K-quant blocks.
         shexp_gate_3d: Qwen2-MoE's shared-expert gate as [1, 1, H] (seen in llama.cpp-converted files).
+        split_max_tensors: > 0 writes a split set (``<stem>-00001-of-0000N.gguf``) of at most this many tensors per part.
 
     Returns:
         The model's state dict as the file holds it: every tensor decoded by gguf's numpy reference and
@@ -312,7 +314,7 @@ def export_gguf(model, path: Path, types: ExportTypes = ExportTypes(), tokenizer
     rng = np.random.default_rng(seed)
     emits = _emits(model, arch, shexp_gate_3d)
     ref = {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(w, model.config, arch, name)
     if tokenizer is not None:
         _write_tokenizer(w, tokenizer, pre)

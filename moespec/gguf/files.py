@@ -96,7 +96,7 @@ def models_in(folder: Path) -> list[GgufFiles]:
         if path.is_file() and not is_projector(path) and not any(p.startswith(".") for p in path.relative_to(folder).parts):
             files = split_parts(path)
             seen.setdefault(files.first, files)
-    return list(seen.values())
+    return sorted(seen.values(), key=lambda f: (f.name, str(f.first)))
 
 
 def find_model(path: Path, quant: str | None = None) -> GgufFiles:
