@@ -107,6 +107,9 @@ ExpertDtype = typer.Option("auto", "--expert-dtype",
                                 "quantises them group-wise at load (~0.26x / ~0.14x the float32 bytes, cached "
                                 "for the next start); experts move packed and are dequantised after each copy. "
                                 "A float dtype (= --dtype) dequantises MXFP4 once at load.")
+Requantize = Flag("--requantize",
+                  help="With --expert-dtype int8/int4 on a GGUF whose experts are already quantised: "
+                               "dequantise and quantise them again (without it that is refused).")
 GroupSize = typer.Option(None, "--group-size",
                          help="int8/int4: weights per scale and zero point (default 64); must divide I*H.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
@@ -129,7 +132,8 @@ OnMissOpt = typer.Option("fetch", "--on-miss",
 HostThreads = typer.Option(None, "--host-threads",
                            help="Worker threads computing misses on the host (--on-miss host/auto); "
                                 "default: from the free cores (CUDA keeps two for the launcher).")
-ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
+ModelArg = typer.Argument(None, help="Local folder, .gguf file or Hub id in the local cache (REPO:QUANT picks a "
+                                           "GGUF quant); default: the embedded model.")
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
 SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each).")

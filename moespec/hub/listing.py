@@ -27,7 +27,8 @@ class LocalModel:
 
     Attributes:
         model_id: the Hub id, or the folder path for models moespec built.
-        source: "hub" (Hub cache) or "moespec" (built by moespec, e.g. the default model).
+        source: "hub" (Hub cache), "moespec" (built by moespec, e.g. the default model) or "gguf" (a
+            local .gguf file moespec has run; Hub GGUF repos are "hub", one entry per quant).
         refs: branches/tags pointing at this snapshot (Hub models), e.g. ("main",).
         commit: the snapshot's commit hash ("" for built models).
         path: the folder holding config.json.
@@ -126,11 +127,15 @@ def _built_models(root: Path) -> list[LocalModel]:
 
 
 def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
-    """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder.
+    """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder,
+    and the GGUF models among them and moespec has run (moespec.gguf.hub: one entry per quant set).
 
     Hub models come first, sorted by id; a repo with several cached revisions gives one entry each.
     Never touches the network.
     """
     from moespec.hub.resolve import hub_cache_dir
 
-    return _hub_models(cache_dir or hub_cache_dir()) + _built_models(models_dir())
+    from moespec.gguf.hub import list_gguf_models
+
+    cache = cache_dir or hub_cache_dir()
+    return _hub_models(cache) + list_gguf_models(cache) + _built_models(models_dir())

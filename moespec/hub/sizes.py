@@ -331,7 +331,7 @@ def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | No
     Raises:
         OptionError: a group size that does not divide the expert projections.
     """
-    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss":
+    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss" or not isinstance(sizes, ModelSizes):
         return sizes
     group = group_size or DEFAULT_GROUP_SIZE
     if (sizes.params.expert_params // 3) % group:
