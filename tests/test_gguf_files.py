@@ -153,3 +153,20 @@ def test_int4_on_quantised_experts_says_so_unless_requantize(tmp_path, q8):
     assert 0 < (got - want).abs().max() < 0.5  # quantised again: close, not equal
     f32, ref = write_gguf(tmp_path / "f32", "qwen3_moe", ExportTypes("F32"), hidden=64, inter=64)
     assert _logits(resolve_model(str(f32)), expert_dtype="int4").shape == want.shape  # float experts: quantised at load
+
+
+def test_second_load_reads_the_dense_cache_instead_of_dequantising(tmp_path, q8, monkeypatch):
+    from moespec.gguf import dense_cache, source
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    first = _logits(folder)
+    cache = dense_cache.cache_file(folder, torch.float32)
+    assert cache.is_file() and not list(folder.glob("*.tmp-*"))
+    calls = []
+    real = source.GgufSource._dense
+    monkeypatch.setattr(source.GgufSource, "_dense", lambda self, *a: calls.append(a) or real(self, *a))
+    assert torch.equal(_logits(folder), first) and calls == []  # nothing dequantised
+    cache.write_bytes(cache.read_bytes()[:-8])  # a cut-off cache is ignored and rewritten
+    assert torch.equal(_logits(folder), first) and calls and cache.stat().st_size > 0

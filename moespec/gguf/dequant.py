@@ -34,8 +34,21 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def _planes(q: torch.Tensor, shifts: tuple[int, ...], mask: int, dim: int) -> torch.Tensor:
-    """(q >> s) & mask for each shift, stacked at ``dim`` (numpy's broadcast shift, without a device constant)."""
-    return torch.stack([(q >> s) & mask for s in shifts], dim=dim)
+    """(q >> s) & mask for each shift, stacked at ``dim``: numpy's broadcast shift without a device
+    constant, each plane written straight into the output (no stack copy; a mask that keeps every
+    bit left after the shift is skipped)."""
+    shape = list(q.shape)
+    shape.insert(dim % (len(shape) + 1), len(shifts))
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    for k, shift in enumerate(shifts):
+        dst = out.select(dim, k)
+        if shift == 0:
+            torch.bitwise_and(q, mask, out=dst)
+        elif mask >= 0xFF >> shift:
+            torch.bitwise_right_shift(q, shift, out=dst)
+        else:
+            torch.bitwise_and(q >> shift, mask, out=dst)
+    return out
 
 
 def _bits32(qh: torch.Tensor) -> torch.Tensor:
@@ -43,49 +56,50 @@ def _bits32(qh: torch.Tensor) -> torch.Tensor:
     return _planes(qh, tuple(range(8)), 1, dim=-1).reshape(qh.shape[0], 32)
 
 
+# Integer codes meet their float32 scales inside one multiply (the promotion is exact), so no code
+# tensor is converted to float32 on its own: one pass less than numpy, the same values.
 def _q4_0(b):
     q = _planes(b[:, 2:18], (0, 4), 0xF, dim=1).reshape(-1, 32).to(torch.int8) - 8
-    return _f16(b, 0) * q.float()
+    return _f16(b, 0) * q
 
 
 def _q4_1(b):
-    q = _planes(b[:, 4:20], (0, 4), 0xF, dim=1).reshape(-1, 32).float()
-    return _f16(b, 0) * q + _f16(b, 2)
+    q = _planes(b[:, 4:20], (0, 4), 0xF, dim=1).reshape(-1, 32)
+    return (_f16(b, 0) * q).add_(_f16(b, 2))
 
 
 def _q5_0(b):
     q = _planes(b[:, 6:22], (0, 4), 0xF, dim=1).reshape(-1, 32) | (_bits32(b[:, 2:6]) << 4)
-    return _f16(b, 0) * (q.to(torch.int8) - 16).float()
+    return _f16(b, 0) * (q.to(torch.int8) - 16)
 
 
 def _q5_1(b):
     q = _planes(b[:, 8:24], (0, 4), 0xF, dim=1).reshape(-1, 32) | (_bits32(b[:, 4:8]) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
+    return (_f16(b, 0) * q).add_(_f16(b, 2))
 
 
 def _q8_0(b):
-    return b[:, 2:34].view(torch.int8).float() * _f16(b, 0)
+    return b[:, 2:34].view(torch.int8) * _f16(b, 0)
 
 
 def _q2_k(b):
     nb, scales = b.shape[0], b[:, 0:16]
-    dl = (_f16(b, 80) * (scales & 0xF).float()).reshape(nb, 16, 1)
-    ml = (_f16(b, 82) * (scales >> 4).float()).reshape(nb, 16, 1)
-    q = _planes(b[:, 16:80].reshape(nb, 2, 32), (0, 2, 4, 6), 3, dim=2).reshape(nb, 16, 16).float()
-    return (dl * q - ml).reshape(nb, 256)
+    dl = (_f16(b, 80) * (scales & 0xF)).reshape(nb, 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4)).reshape(nb, 16, 1)
+    q = _planes(b[:, 16:80].reshape(nb, 2, 32), (0, 2, 4, 6), 3, dim=2).reshape(nb, 16, 16)
+    return (dl * q).sub_(ml).reshape(nb, 256)
 
 
 def _q3_k(b):
     nb, scales = b.shape[0], b[:, 96:108]
     low = _planes(scales[:, :8], (0, 4), 0xFF, dim=1).reshape(nb, 16)
     high = _planes(scales[:, 8:12], (0, 2, 4, 6), 0xFF, dim=1).reshape(nb, 16)
-    sc = (((low & 0xF) | ((high & 3) << 4)).to(torch.int8) - 32).float()
+    sc = ((low & 0xF) | ((high & 3) << 4)).to(torch.int8) - 32
     dl = (_f16(b, 108) * sc).reshape(nb, 16, 1)
     ql = _planes(b[:, 32:96].reshape(nb, 2, 32), (0, 2, 4, 6), 3, dim=2).reshape(nb, 16, 16)
     qh = _planes(b[:, 0:32].reshape(nb, 1, 32), tuple(range(8)), 1, dim=2).reshape(nb, 16, 16) ^ 1
     # the high bit is an inverted borrow: the offset applies where the mask bit is clear
-    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
-    return (dl * q).reshape(nb, 256)
+    return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8))).reshape(nb, 256)
 
 
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,15 +107,15 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 def _q4_k(b):
     nb = b.shape[0]
     sc, mn = _k_scale_min(b[:, 4:16])
     d, dm = (_f16(b, 0) * sc).reshape(nb, 8, 1), (_f16(b, 2) * mn).reshape(nb, 8, 1)
-    q = _planes(b[:, 16:144].reshape(nb, 4, 32), (0, 4), 0xF, dim=2).reshape(nb, 8, 32).float()
-    return (d * q - dm).reshape(nb, 256)
+    q = _planes(b[:, 16:144].reshape(nb, 4, 32), (0, 4), 0xF, dim=2).reshape(nb, 8, 32)
+    return (d * q).sub_(dm).reshape(nb, 256)
 
 
 def _q5_k(b):
@@ -110,15 +124,15 @@ def _q5_k(b):
     d, dm = (_f16(b, 0) * sc).reshape(nb, 8, 1), (_f16(b, 2) * mn).reshape(nb, 8, 1)
     ql = _planes(b[:, 48:176].reshape(nb, 4, 32), (0, 4), 0xF, dim=2).reshape(nb, 8, 32)
     qh = _planes(b[:, 16:48].reshape(nb, 1, 32), tuple(range(8)), 1, dim=2).reshape(nb, 8, 32)
-    return (d * (ql | (qh << 4)).float() - dm).reshape(nb, 256)
+    return (d * ql.bitwise_or_(qh << 4)).sub_(dm).reshape(nb, 256)
 
 
 def _q6_k(b):
     nb = b.shape[0]
-    d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).reshape(nb, 16, 1)
+    d = (_f16(b, 208) * b[:, 192:208].view(torch.int8)).reshape(nb, 16, 1)
     ql = _planes(b[:, 0:128].reshape(nb, 2, 64), (0, 4), 0xF, dim=2).reshape(nb, 8, 32)
     qh = _planes(b[:, 128:192].reshape(nb, 2, 32), (0, 2, 4, 6), 3, dim=2).reshape(nb, 8, 32)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
+    q = ql.bitwise_or_(qh << 4).view(torch.int8).sub_(32).reshape(nb, 16, 16)
     return (d * q).reshape(nb, 256)
 
 

@@ -61,6 +61,19 @@ _RANDOM_SCALES = {"Q2_K": ((80, 4e-3), (82, 6e-3)), "Q3_K": ((108, 1.5e-3),), "Q
                   "Q5_K": ((0, 1e-4), (2, 1.5e-3)), "Q6_K": ((208, 5e-5),)}
 
 
+def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks of a [..., C] tensor: uint8 [..., C / block * bytes]; K-quants' fp16 scale
+    fields are set so values stay ~0.1 (every other byte pattern is a valid block)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[_qtype(type_name)]
+    nb = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    for at, scale in _RANDOM_SCALES.get(type_name, ()):
+        raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, size=(nb, 1)) * scale).astype(np.float16).view(np.uint8)
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)
+
+
 def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, str]:
     """``values`` [..., C] float32 stored as ``type_name``: (array to write, type actually used).
 
@@ -74,11 +87,7 @@ def encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> tupl
     if values.shape[-1] % block:
         return values.astype(np.float32), "F32"
     if type_name in _RANDOM_SCALES:
-        nb = values.size // block
-        raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-        for at, scale in _RANDOM_SCALES[type_name]:
-            raw[:, at : at + 2] = (rng.uniform(0.5, 1.5, size=(nb, 1)) * scale).astype(np.float16).view(np.uint8)
-        return raw.reshape(*values.shape[:-1], values.shape[-1] // block * size), type_name
+        return random_blocks(type_name, values.shape, rng), type_name
     return quantize(values.astype(np.float32), qtype), type_name
 
 
@@ -186,7 +195,7 @@ def _n_experts(config) -> int:
                or config.n_routed_experts)
 
 
-def _write_metadata(w, config, arch: str, name: str) -> None:
+def write_metadata(w, config, arch: str, name: str) -> None:
     """The keys llama.cpp's converter writes for ``arch`` (and expert_weights_norm where it would be lost)."""
     mt = config.model_type
     rope = dict(config.rope_parameters or {})
@@ -256,9 +265,10 @@ def _write_deepseek(w, config) -> None:
     w.add_rope_dimension_count(config.qk_rope_head_dim)
 
 
-def _write_tokenizer(w, tokenizer, pre: str) -> None:
+def write_tokenizer(w, tokenizer, pre: str, pad_to: int = 0) -> None:
     """A byte-level BPE tokenizer as llama.cpp stores it: tokens by id, token types (3 control, 4
-    user-defined), merges, special ids, chat template."""
+    user-defined), merges, special ids, chat template; ``pad_to`` pads the vocabulary with
+    ``[PADn]`` tokens as llama.cpp does for a model whose embedding has more rows."""
     import json
 
     tj = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -266,8 +276,8 @@ def _write_tokenizer(w, tokenizer, pre: str) -> None:
         raise ValueError(f"only byte-level BPE tokenizers are exported, not {tj['model']['type']}")
     added = {a["id"]: a for a in tj["added_tokens"]}
     vocab = tj["model"]["vocab"]
-    n = max([*vocab.values(), *added]) + 1
-    tokens, types = [""] * n, [1] * n
+    n = max(max([*vocab.values(), *added]) + 1, pad_to)
+    tokens, types = [f"[PAD{i}]" for i in range(n)], [1] * n
     for tok, i in vocab.items():
         tokens[i] = tok
     for i, a in added.items():
@@ -315,9 +325,9 @@ def export_gguf(model, path: Path, types: ExportTypes = ExportTypes(), tokenizer
     emits = _emits(model, arch, shexp_gate_3d)
     ref = {k: v.detach().float().cpu().numpy().copy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    _write_metadata(w, model.config, arch, name)
+    write_metadata(w, model.config, arch, name)
     if tokenizer is not None:
-        _write_tokenizer(w, tokenizer, pre)
+        write_tokenizer(w, tokenizer, pre)
     encoded = []
     for gname, arr, expert, back in emits:
         tname = "F32" if arr.ndim < 2 or "norm" in gname else types.dense

@@ -13,7 +13,7 @@ Expert tensors are named by gguf's constants (MODEL_TENSOR.FFN_{GATE,UP,DOWN}_EX
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moespec.errors import CheckpointError
 
@@ -29,12 +29,14 @@ class Plan:
         sources: the GGUF tensors it is made from (two for "kv_b": k_b, then v_b).
         kind: "plain", "reshape", "unpermute" (argument: heads) or "kv_b" (argument: n, nope, v).
         args: the kind's integers.
+        shape: the model's shape of the tensor.
     """
 
     name: str
     sources: tuple[str, ...]
     kind: str = "plain"
     args: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
 
 
 def _arch_enum(arch: str):
@@ -77,7 +79,7 @@ def dense_plans(config, arch: str, gguf_names: set[str]) -> list[Plan]:
         if plan is None or not set(plan.sources) <= gguf_names:
             missing.append(f"{name} ({' + '.join(plan.sources) if plan else 'no GGUF name'})")
             continue
-        plans.append(plan)
+        plans.append(replace(plan, shape=tuple(t.shape)))
     if missing:
         raise CheckpointError(f"the GGUF lacks {len(missing)} tensor(s) the {config.model_type} model needs, e.g. "
                               f"{', '.join(missing[:3])}", "the file is incomplete or not converted by llama.cpp")

@@ -5,7 +5,8 @@ Shapes: E experts, I expert intermediate, H hidden.
 Dense tensors are read one at a time, dequantised on the load device (moespec.gguf.dequant) and
 undone as llama.cpp's converter changed them (names.apply); a tensor larger than 64 MiB as float32
 is dequantised in row chunks straight into the compute dtype, so no float32 copy of an embedding
-ever exists beside it. Expert tensors stay in their GGUF blocks (layout.GgufLayout): each expert's
+ever exists beside it. What the first start dequantised is kept (dense_cache.py) and read back by
+the next, which then neither dequantises nor reads the GGUF's dense tensors. Expert tensors stay in their GGUF blocks (layout.GgufLayout): each expert's
 byte range is read from the file in chunks of whole experts (<= 16 MiB) and written into its store
 row. With ``--expert-dtype`` the compute dtype (or int8/int4 on F32/F16/BF16 experts, or with
 ``--requantize``) experts are dequantised at load instead and go through the adapter's converter,
@@ -21,6 +22,7 @@ import torch
 
 from moespec.errors import CheckpointError, OptionError
 from moespec.gguf import SOURCE_FILE
+from moespec.gguf.dense_cache import DenseCacheWriter, cache_file, readable
 from moespec.gguf.dequant import FLOAT_TYPES, check_supported, dequantize, type_name
 from moespec.gguf.layout import GgufGptOssLayout, GgufLayout, GgufPart, LayeredLayout
 from moespec.gguf.names import apply, dense_plans, expert_names
@@ -139,26 +141,48 @@ class GgufSource:
     # --- tensors -----------------------------------------------------------------------------
     def tensors(self, adapter: MoeAdapter, layout: ExpertLayout, device: torch.device, dtype: torch.dtype,
                 read_experts: bool) -> Iterator[SourceTensor]:
-        config = self.config()
-        where = self.ck.files.name
-        for plan in dense_plans(config, self.ck.arch, set(self.ck.tensors)):
-            values = [self._dense(self.ck.tensors[s], device, dtype) for s in plan.sources]
-            yield SourceTensor(None, adapter.dense_name(plan.name), apply(plan, values), where)
+        yield from self._dense_tensors(adapter, device, dtype)
         if not read_experts:
             return
         packed = isinstance(layout, (GgufLayout, LayeredLayout))
-        tensors = self.expert_tensors()
+        tensors, where = self.expert_tensors(), self.ck.files.name
         if packed:
             yield from self._packed_experts(tensors, where)
         else:
             yield from self._dequantised_experts(adapter, layout, tensors, where)
+
+    def _dense_tensors(self, adapter: MoeAdapter, device: torch.device, dtype: torch.dtype) -> Iterator[SourceTensor]:
+        """Dense tensors from the dense cache when it is complete, else dequantised (and cached as they go)."""
+        from moespec.runtime.checkpoint import iter_tensors
+
+        cache = cache_file(self.folder, dtype)
+        if readable(cache, dtype, self.fingerprint()):
+            for name, tensor, file in iter_tensors([cache]):
+                yield SourceTensor(None, adapter.dense_name(name), tensor, file.name, mapped=True)
+            return
+        plans = dense_plans(self.config(), self.ck.arch, set(self.ck.tensors))
+        specs = [(p.name, self._dense_dtype([self.ck.tensors[s] for s in p.sources], dtype), p.shape) for p in plans]
+        writer = DenseCacheWriter(cache, specs, dtype, self.fingerprint())
+        try:
+            for plan in plans:
+                tensor = apply(plan, [self._dense(self.ck.tensors[s], device, dtype) for s in plan.sources])
+                writer.write(plan.name, tensor)
+                yield SourceTensor(None, adapter.dense_name(plan.name), tensor, self.ck.files.name)
+            writer.finish()
+        finally:
+            writer.abort()  # a no-op once finished; drops a half-written file when loading stopped
+
+    @staticmethod
+    def _dense_dtype(infos: list[TensorInfo], dtype: torch.dtype) -> torch.dtype:
+        """What :meth:`_dense` returns for these sources: float32, or ``dtype`` for a large matrix."""
+        return dtype if any(len(i.shape) > 1 and _numel(i.shape) * 4 > DENSE_CHUNK_BYTES for i in infos) else torch.float32
 
     def _dense(self, info: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """One dense tensor dequantised on ``device``: float32, or ``dtype`` in row chunks when large."""
         shape = tuple(info.shape)
         rows = shape[0] if len(shape) > 1 else 1
         numel = info.nbytes if not shape else _numel(shape)
-        if numel * 4 <= DENSE_CHUNK_BYTES or len(shape) < 2:
+        if self._dense_dtype([info], dtype) == torch.float32:
             return dequantize(self.ck.read(info).to(device), info.ggml_type, shape, torch.float32)
         out = torch.empty(shape, dtype=dtype, device=device)
         step = max(1, DENSE_CHUNK_BYTES // (4 * numel // rows))
