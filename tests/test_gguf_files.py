@@ -170,3 +170,22 @@ def test_second_load_reads_the_dense_cache_instead_of_dequantising(tmp_path, q8,
     assert torch.equal(_logits(folder), first) and calls == []  # nothing dequantised
     cache.write_bytes(cache.read_bytes()[:-8])  # a cut-off cache is ignored and rewritten
     assert torch.equal(_logits(folder), first) and calls and cache.stat().st_size > 0
+
+
+def test_header_walk_equals_gguf_reader(q8):
+    """reader._parse (the fast walk) reads what gguf's GGUFReader reads: metadata and tensor table."""
+    from gguf import GGUFReader
+
+    from moespec.gguf.reader import _parse
+
+    fields, table, data_start = _parse(q8[0])
+    ref = GGUFReader(q8[0])
+    assert data_start == ref.data_offset
+    assert [(t.name, t.ggml_type, t.offset, t.nbytes) for t in table] == \
+        [(t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes)) for t in ref.tensors]
+    assert [t.shape for t in table] == [tuple(reversed(t.shape.tolist())) for t in ref.tensors]
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        assert fields[key] == (value if not isinstance(value, list) or len(value) <= 256 else {"array_length": len(value)}), key
