@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from moespec.errors import CheckpointError, OutputError
+from moespec.errors import CheckpointError
+from moespec.fsutil import temp_folder_beside
 from moespec.gguf import SOURCE_FILE
 from moespec.gguf.files import GgufFiles
 from moespec.gguf.reader import GgufCheckpoint, fingerprint
@@ -83,12 +83,7 @@ def prepare(files: GgufFiles, key: str) -> Path:
 
     config = hf_config(ck, default_dtype(ck))  # unsupported or dense: refused before anything is written
     _check_experts(ck)
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    except OSError as exc:
-        raise OutputError(f"cannot write moespec's GGUF folder {folder.parent}: {exc}",
-                          "set MOESPEC_HOME to a writable folder") from exc
+    tmp = temp_folder_beside(folder, f".{folder.name}.")
     try:
         config.save_pretrained(tmp)
         _write_tokenizer(files, tmp)
