@@ -83,7 +83,9 @@ def hf_config_dict(ck: GgufCheckpoint) -> dict:
                                     "run it with llama.cpp, or pick a MoE model (e.g. a Qwen3-30B-A3B GGUF)")
     heads = int(ck.get(".attention.head_count"))
     hidden = int(ck.get(".embedding_length"))
-    common = {"hidden_size": hidden, "num_hidden_layers": int(ck.get(".block_count")),
+    # blocks past the main ones are multi-token-prediction heads (GLM's NextN), not decoder layers
+    layers = int(ck.get(".block_count")) - int(ck.get(".nextn_predict_layers", 0) or 0)
+    common = {"hidden_size": hidden, "num_hidden_layers": layers,
               "max_position_embeddings": int(ck.get(".context_length", 4096)), "num_attention_heads": heads,
               "num_key_value_heads": _max(ck.get(".attention.head_count_kv", heads)),
               "rms_norm_eps": _decimal(ck.get(".attention.layer_norm_rms_epsilon", 1e-6)),

@@ -226,10 +226,6 @@ class GgufSource:
         raw = self.ck.read(info, e * info.row_bytes, info.row_bytes)
         return dequantize(raw, info.ggml_type, tuple(info.shape[1:]), torch.float32)
 
-    def describe(self) -> dict:
-        """For reports: the GGUF's key, quant label and expert types."""
-        return {"gguf": self.key, "quant": self.ck.files.quant, "expert_types": sorted(self.expert_types())}
-
 
 def _numel(shape) -> int:
     out = 1

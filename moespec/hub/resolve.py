@@ -93,7 +93,7 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise ModelNotFoundError(
             f"model folder {model} {what}",
-            "pass a folder with config.json and *.safetensors, or a Hub id like Qwen/Qwen3-30B-A3B",
+            "pass a folder with config.json and *.safetensors, a .gguf file, or a Hub id like Qwen/Qwen3-30B-A3B",
         )
     folder = cached_snapshot(model, revision)
     if folder is None:
