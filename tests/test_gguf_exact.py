@@ -129,3 +129,23 @@ def test_one_copy_moves_the_experts_bytes_in_the_file(gguf_files):
         om.close()
     total = step.total()
     assert total.misses > 0 and total.h2d_bytes == total.misses * om.store.expert_bytes
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-Q4_K+Q6_K", "gpt_oss-MXFP4"])
+def test_experts_dequantised_at_load_are_exact_too(gguf_files, case):
+    """--expert-dtype float32: the GGUF experts dequantised once into float rows (GPT-OSS: interleaved
+    gate/up as transformers keeps them), the same logits."""
+    from moespec.hub.resolve import resolve_model
+
+    path, ref = gguf_files[case]
+    ids = torch.tensor([GREEDY_PROMPT])
+    with torch.no_grad():
+        want = ref(ids).logits
+    om = load_offloaded(resolve_model(str(path)), RuntimeConfig(dtype="float32", expert_dtype="float32", cache_experts=8))
+    try:
+        assert om.store.dtype == torch.float32
+        with torch.inference_mode():
+            got = om.model(ids).logits
+    finally:
+        om.close()
+    assert (got - want).abs().max() < 1e-5
