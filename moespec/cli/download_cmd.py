@@ -131,18 +131,10 @@ def _download_gguf(console: Console, model: str, quant: str, revision: Optional[
                   f"{format_bytes(plan.total_bytes)}; {len(plan.to_fetch)} file(s) to fetch, "
                   f"{format_bytes(plan.fetch_bytes)}")
     folder = _fetch_with_progress(console, plan, token)
-    from moespec.gguf.files import find_model
     from moespec.gguf.resolve import resolve_gguf
-    from moespec.gguf.sidecar import prepare
 
     target = f"{model}:{quant}" if local_dir is None and plan.revision == "main" else f"{folder}:{quant}"
-    if local_dir is None:
-        resolve_gguf(f"{model}:{quant}", None if plan.revision == "main" else plan.revision)
-    else:
-        import os
-
-        files = find_model(folder, quant)
-        prepare(files, os.path.abspath(files.first))
+    resolve_gguf(target, None if local_dir is not None or plan.revision == "main" else plan.revision)  # prepares it
     console.print(f"[green]done:[/] {model} {quant} @ {plan.commit[:12]} is in")
     console.print(f"  {folder}", soft_wrap=True)
     console.print(f"next: moespec chat {target}")
