@@ -3,12 +3,13 @@
 A Hub GGUF repo holds one file set per quant type (a file, or split parts, sometimes in a folder
 named after the quant). ``--quant`` picks one set: only its parts are fetched (plus README and
 license), through the same planned download as safetensors (moespec.hub.download). Listing reads
-the local Hub cache (no network) and the folders moespec prepared; a model's architecture and
+the local Hub cache (no network; a snapshot without config.json) and the folders moespec prepared; a model's architecture and
 sizes come from its prepared folder when there is one, else from its first part's header.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,20 +124,13 @@ def gguf_sizes(ck, config: dict) -> GgufSizes:
             num = info.shape[0]
             if hit[2] == "weight":
                 types.setdefault(hit[1], set()).add(type_name(info.ggml_type))
-    dense = sum(_numel(i.shape) for n, i in ck.tensors.items() if n not in experts)
+    dense = sum(math.prod(i.shape) for n, i in ck.tensors.items() if n not in experts)
     dtype = str(config.get("dtype") or "bfloat16")
     fmt = "gguf " + "/".join("+".join(sorted(types.get(p, {"?"}))) for p in ("gate", "up", "down"))
     return GgufSizes(model_type=str(config.get("model_type", "")), dtype=dtype, expert_format=fmt,
                      expert_bytes=max(rows.values(), default=0), moe_layers=len(rows), num_experts=num,
                      top_k=int(config.get("num_experts_per_tok", 0)),
                      dense_bytes=dense * (4 if dtype == "float32" else 2))
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def hub_gguf_sets(snapshot: Path) -> list[GgufFiles]:
@@ -175,58 +169,42 @@ def describe_gguf(files: GgufFiles, key: str):
     return str(config.get("model_type", "?")), gguf_sizes(ck, config), "ok"
 
 
-def list_gguf_models(cache_dir: Path):
-    """LocalModel rows (moespec.hub.listing) for every GGUF model in the Hub cache (one per quant set,
-    named ``org/repo:QUANT``) and every local .gguf moespec has prepared (named by its path)."""
-    import os
-
+def _row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
+    """The LocalModel (moespec.hub.listing) of one GGUF model known as ``key``."""
     from moespec.calibrate.locate import calibration_candidates
     from moespec.estimator.locate import estimator_candidates
-    from moespec.gguf.sidecar import read_marker, sidecar_dir
+    from moespec.gguf.sidecar import sidecar_dir
     from moespec.hub.listing import LocalModel
+
+    model_type, sizes, status = describe_gguf(files, key)
+    folder = sidecar_dir(key)
+    return LocalModel(model_id=key, source=source, refs=refs, commit=commit, path=files.first, model_type=model_type,
+                      disk_bytes=files.total_bytes, sizes=sizes, status=status,
+                      has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
+                      has_estimator=any(p.is_file() for p in estimator_candidates(folder)))
+
+
+def hub_gguf_models(repo_id: str, refs: tuple, commit: str, snapshot: Path) -> list:
+    """One row per GGUF model (quant) in a Hub cache snapshot, named ``org/repo:QUANT``."""
+    return [_row(f"{repo_id}:{f.quant}" if f.quant else repo_id, "hub", refs, commit, f) for f in hub_gguf_sets(snapshot)]
+
+
+def local_gguf_models() -> list:
+    """One row per local .gguf moespec has prepared (named by its path; Hub ones are listed with the Hub's)."""
+    import os
+
+    from moespec.gguf.files import split_parts
+    from moespec.gguf.sidecar import read_marker
     from moespec.paths import moespec_home
 
-    found = []
-    for repo_id, refs, commit, snapshot in _hub_snapshots(cache_dir):
-        for files in hub_gguf_sets(snapshot):
-            key = f"{repo_id}:{files.quant}" if files.quant else repo_id
-            found.append((key, "hub", refs, commit, files))
-    root = moespec_home() / "gguf"
+    root, out = moespec_home() / "gguf", []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         data = read_marker(folder)
-        if data and os.path.isabs(str(data.get("key"))) and Path(data["key"]).is_file():
-            try:
-                files = models_in_parts(data)
-            except CheckpointError:
-                continue
-            found.append((str(data["key"]), "gguf", (), "", files))
-    out = []
-    for key, source, refs, commit, files in found:
-        model_type, sizes, status = describe_gguf(files, key)
-        folder = sidecar_dir(key)
-        out.append(LocalModel(model_id=key, source=source, refs=refs, commit=commit, path=files.first,
-                              model_type=model_type, disk_bytes=files.total_bytes, sizes=sizes, status=status,
-                              has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
-                              has_estimator=any(p.is_file() for p in estimator_candidates(folder))))
+        key = str(data.get("key")) if data else ""
+        if not (os.path.isabs(key) and Path(key).is_file()):
+            continue
+        try:
+            out.append(_row(key, "gguf", (), "", split_parts(Path(data["checkpoint"]["parts"][0]))))
+        except CheckpointError:  # a split part went missing since
+            continue
     return out
-
-
-def models_in_parts(data: dict) -> GgufFiles:
-    """The GgufFiles a prepared folder's marker names (checked complete)."""
-    from moespec.gguf.files import split_parts
-
-    return split_parts(Path(data["checkpoint"]["parts"][0]))
-
-
-def _hub_snapshots(cache_dir: Path):
-    """(repo_id, refs, commit, snapshot folder) of every cached model revision."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    try:
-        info = scan_cache_dir(cache_dir)
-    except CacheNotFound:
-        return []
-    return [(repo.repo_id, tuple(sorted(rev.refs)), rev.commit_hash, Path(rev.snapshot_path))
-            for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()) if repo.repo_type == "model"
-            for rev in repo.revisions]

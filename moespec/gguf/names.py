@@ -13,6 +13,8 @@ Expert tensors are named by gguf's constants (MODEL_TENSOR.FFN_{GATE,UP,DOWN}_EX
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from moespec.errors import CheckpointError
@@ -113,7 +115,7 @@ def apply(plan: Plan, values: list):
 
     if plan.kind == "reshape":
         v = values[0]
-        if tuple(v.shape) != plan.args and v.numel() == _numel(plan.args) and \
+        if tuple(v.shape) != plan.args and v.numel() == math.prod(plan.args) and \
                 [d for d in v.shape if d != 1] == [d for d in plan.args if d != 1]:
             return v.reshape(plan.args)  # only unit dimensions differ ([1, 1, H] -> [1, H])
         return v
@@ -125,9 +127,3 @@ def apply(plan: Plan, values: list):
         return torch.cat([k_b.reshape(n, -1, nope).transpose(1, 2), v_b.reshape(n, vd, -1)], dim=1).reshape(n * (nope + vd), -1)
     return values[0]
 
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out

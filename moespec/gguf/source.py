@@ -15,6 +15,8 @@ as safetensors experts do.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Iterator
 
@@ -175,13 +177,13 @@ class GgufSource:
     @staticmethod
     def _dense_dtype(infos: list[TensorInfo], dtype: torch.dtype) -> torch.dtype:
         """What :meth:`_dense` returns for these sources: float32, or ``dtype`` for a large matrix."""
-        return dtype if any(len(i.shape) > 1 and _numel(i.shape) * 4 > DENSE_CHUNK_BYTES for i in infos) else torch.float32
+        return dtype if any(len(i.shape) > 1 and math.prod(i.shape) * 4 > DENSE_CHUNK_BYTES for i in infos) else torch.float32
 
     def _dense(self, info: TensorInfo, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """One dense tensor dequantised on ``device``: float32, or ``dtype`` in row chunks when large."""
         shape = tuple(info.shape)
         rows = shape[0] if len(shape) > 1 else 1
-        numel = info.nbytes if not shape else _numel(shape)
+        numel = info.nbytes if not shape else math.prod(shape)
         if self._dense_dtype([info], dtype) == torch.float32:
             return dequantize(self.ck.read(info).to(device), info.ggml_type, shape, torch.float32)
         out = torch.empty(shape, dtype=dtype, device=device)
@@ -226,9 +228,3 @@ class GgufSource:
         raw = self.ck.read(info, e * info.row_bytes, info.row_bytes)
         return dequantize(raw, info.ggml_type, tuple(info.shape[1:]), torch.float32)
 
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out

@@ -98,6 +98,8 @@ def _describe(model_id: str, source: str, refs: tuple[str, ...], commit: str, fo
 
 def _hub_models(cache_dir: Path) -> list[LocalModel]:
     from huggingface_hub import scan_cache_dir
+
+    from moespec.gguf.hub import hub_gguf_models
     from huggingface_hub.errors import CacheNotFound
 
     try:
@@ -109,9 +111,10 @@ def _hub_models(cache_dir: Path) -> list[LocalModel]:
         if repo.repo_type != "model":
             continue
         for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
-            if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():
-                continue  # not a transformers model (or config not downloaded)
             refs = tuple(sorted(rev.refs))
+            if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():  # a GGUF repo, or not a transformers model
+                out += hub_gguf_models(repo.repo_id, refs, rev.commit_hash, Path(rev.snapshot_path))
+                continue
             out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
     return out
 
@@ -135,7 +138,6 @@ def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
     """
     from moespec.hub.resolve import hub_cache_dir
 
-    from moespec.gguf.hub import list_gguf_models
+    from moespec.gguf.hub import local_gguf_models
 
-    cache = cache_dir or hub_cache_dir()
-    return _hub_models(cache) + list_gguf_models(cache) + _built_models(models_dir())
+    return _hub_models(cache_dir or hub_cache_dir()) + local_gguf_models() + _built_models(models_dir())
