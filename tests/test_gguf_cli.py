@@ -41,8 +41,10 @@ def test_download_one_quant_then_models_and_chat(files, monkeypatch, tmp_path):
     listed = {m["model_id"]: m for m in json.loads(_run("models", "--json").output)}
     row = listed["tiny/Tiny-GGUF:Q8_0"]
     assert row["model_type"] == "qwen3_moe" and row["expert_format"] == "gguf Q8_0/Q8_0/Q8_0" and row["runnable"]
+    assert row["quant"] == "Q8_0"
     assert row["expert_bytes"] == 3 * 64 * 64 // 32 * 34  # gate + up + down rows of Q8_0 blocks
-    assert "tiny/Tiny-GGUF:Q8_0" in _run("models").output
+    table = _run("models").output
+    assert "tiny/Tiny-GGUF:Q8_0" in table and "qwen3_moe Q8_0" in table
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = _run("chat", "tiny/Tiny-GGUF:Q8_0", "--prompt", "hi", "--max-new-tokens", "4", "--json", "--device", "cpu")
     assert out.exit_code == 0, out.output

@@ -262,7 +262,8 @@ def _models_tables(title: str, group: list, width: int):
         return m.model_id if rev == "main" else f"{m.model_id} @ {rev}"
 
     def arch(m) -> str:
-        return (m.model_type or "?") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
+        quant = getattr(m.sizes, "quant", "")  # a GGUF model: its quant type
+        return (m.model_type or "?") + (f" {quant}" if quant else "") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
 
     def size(m, attr: str) -> str:
         return size3(getattr(m.sizes, attr)) if m.sizes else "-"
@@ -289,6 +290,7 @@ def _model_json(m) -> dict:
         "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
         "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
+        "quant": getattr(s, "quant", None) or None,
     }
 
 

@@ -10,7 +10,7 @@ sizes come from its prepared folder when there is one, else from its first part'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moespec.errors import CheckpointError, ModelNotFoundError
@@ -76,6 +76,7 @@ class GgufSizes:
         dtype: the compute dtype it implies; expert_format: "gguf Q4_K/Q4_K/Q6_K".
         expert_bytes: one row (what one copy moves); moe_layers, num_experts, top_k: its shape.
         dense_bytes: the dense part dequantised to ``dtype``.
+        quant: the file's quant label ("Q4_K_M"), or "".
     """
 
     model_type: str
@@ -87,6 +88,7 @@ class GgufSizes:
     top_k: int
     dense_bytes: int
     group_size: int = 0
+    quant: str = ""
 
     @property
     def experts_bytes(self) -> int:
@@ -166,7 +168,7 @@ def describe_gguf(files: GgufFiles, key: str):
         return "?", None, "incomplete" if isinstance(exc, CheckpointError) else "unsupported"
     except (OSError, ValueError, KeyError):
         return "?", None, "incomplete"
-    return str(config.get("model_type", "?")), gguf_sizes(ck, config), "ok"
+    return str(config.get("model_type", "?")), replace(gguf_sizes(ck, config), quant=files.quant), "ok"
 
 
 def _row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
