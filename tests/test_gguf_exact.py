@@ -4,7 +4,8 @@ The reference is transformers running the tiny model with every weight replaced 
 dequantisation of the file (tiny_gguf.write_gguf). Files are written as llama.cpp's converter
 writes them, in F32, F16, Q8_0, Q4_0, Q4_K, Q6_K and MXFP4, for Qwen3-MoE, Qwen2-MoE (shared
 expert, its gate stored [1, 1, H]), GPT-OSS (MXFP4 experts with biases, attention sinks), Mixtral
-(q/k permuted), OLMoE and DeepSeek-V2/V3 (MLA's kv_b split); the mixed file holds Q4_K and Q6_K
+(q/k permuted), OLMoE, DeepSeek-V2/V3 and GLM-4.7-Flash (MLA's kv_b split; llama.cpp writes GLM-4.7-Flash
+as deepseek2, moespec runs it as DeepSeek-V3); the mixed file holds Q4_K and Q6_K
 experts in different layers, as llama-quantize's Q4_K_M does.
 """
 
@@ -29,6 +30,8 @@ CASES = {
     "mixtral-Q4_0": ("mixtral", ExportTypes("Q4_0", dense="Q4_0"), dict(hidden=64, inter=64)),
     "olmoe-F16": ("olmoe", ExportTypes("F16", dense="F16"), dict()),
     "deepseek_v3-Q8_0": ("deepseek_v3", ExportTypes("Q8_0"), dict(hidden=64, inter=64)),
+    "deepseek_v2-Q4_0": ("deepseek_v2", ExportTypes("Q4_0"), dict(hidden=64, inter=64)),
+    "glm4_moe_lite-Q8_0": ("glm4_moe_lite", ExportTypes("Q8_0"), dict(hidden=64, inter=64)),  # deepseek2 in GGUF
 }
 
 
