@@ -21,7 +21,8 @@ from moespec.gguf.export import ExportTypes
 from moespec.runtime.engine import Engine
 from moespec.runtime.offload import load_offloaded
 
-MIXED = ExportTypes("Q4_K", dense="Q8_0", per_layer={(1, "down"): "Q6_K"})
+# layer 0: Q4_K gate, Q8_0 up (dequantised apart), Q4_K down; layer 1: Q4_K gate/up (one call), Q6_K down
+MIXED = ExportTypes("Q4_K", dense="Q8_0", per_layer={(1, "down"): "Q6_K", (0, "up"): "Q8_0"})
 CASES = {
     "qwen3_moe-Q8_0": ("qwen3_moe", ExportTypes("Q8_0"), dict(hidden=64, inter=64)),
     "qwen3_moe-Q4_K+Q6_K": ("qwen3_moe", MIXED, dict(hidden=256, inter=256, layers=2, experts=4)),

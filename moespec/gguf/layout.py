@@ -101,8 +101,16 @@ class GgufLayout(ExpertLayout):
         return dequantize(row[a:b], p.ggml_type, p.shape, dtype)
 
     def weights(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """gate_up [2I, H] (halves) and down [H, I], dequantised on the row's device."""
-        gate_up = torch.cat([self.part(row, "gate", dtype), self.part(row, "up", dtype)])  # [2I, H]
+        """gate_up [2I, H] (halves) and down [H, I], dequantised on the row's device.
+
+        Where gate and up have one type and sit back to back (no padding between them: the usual case),
+        gate_up is one dequantisation of both byte ranges, with no concatenation copy.
+        """
+        (g0, g1, gate), (u0, u1, up) = self._spans["gate"], self._spans["up"]
+        if gate.ggml_type == up.ggml_type and g1 == u0:
+            gate_up = dequantize(row[g0:u1], gate.ggml_type, (2 * gate.shape[0], gate.shape[1]), dtype)  # [2I, H]
+        else:
+            gate_up = torch.cat([self.part(row, "gate", dtype), self.part(row, "up", dtype)])  # [2I, H]
         return {"gate_up": gate_up, "down": self.part(row, "down", dtype)}
 
     def unpack(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
