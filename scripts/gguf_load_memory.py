@@ -31,7 +31,7 @@ import transformers.models.qwen3_moe.modeling_qwen3_moe
 from transformers import AutoTokenizer, TokenizersBackend
 from moespec.config import Predictor, RuntimeConfig
 from moespec.hub.resolve import resolve_model
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 def status(key):
     for line in open("/proc/self/status"):

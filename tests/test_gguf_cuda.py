@@ -16,7 +16,7 @@ from tiny_gguf import write_gguf
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.gguf.export import ExportTypes
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 pytestmark = pytest.mark.cuda
 

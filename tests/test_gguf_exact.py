@@ -19,7 +19,7 @@ from tiny_gguf import write_gguf
 from moespec.config import OnMiss, Predictor, RuntimeConfig
 from moespec.gguf.export import ExportTypes
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 # layer 0: Q4_K gate, Q8_0 up (dequantised apart), Q4_K down; layer 1: Q4_K gate/up (one call), Q6_K down
 MIXED = ExportTypes("Q4_K", dense="Q8_0", per_layer={(1, "down"): "Q6_K", (0, "up"): "Q8_0"})
@@ -105,7 +105,7 @@ def test_one_copy_moves_the_experts_bytes_in_the_file(gguf_files):
     """Per layer the row is gate | up | down as the file holds them (each padded to 16 bytes), and
     each miss adds exactly one row to the H2D count."""
     from moespec.gguf.reader import GgufCheckpoint
-    from moespec.gguf.source import GgufSource
+    from moespec.runtime.host.gguf_source import GgufSource
     from moespec.hub.resolve import resolve_model
     from moespec.runtime.stats import StatsRecorder
 

@@ -18,7 +18,7 @@ from moespec.config import RuntimeConfig
 from moespec.errors import CheckpointError, ModelNotFoundError, OptionError, UnsupportedModelError
 from moespec.gguf.export import ExportTypes
 from moespec.hub.resolve import resolve_model
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 IDS = torch.tensor([[5, 17, 99, 3, 200, 41]])
 
@@ -60,7 +60,7 @@ def test_folder_with_several_quants_needs_model_colon_quant(tmp_path, q8):
     with pytest.raises(ModelNotFoundError, match="2 GGUF models: Tiny-F32.gguf \\(F32\\), Tiny-Q8_0.gguf \\(Q8_0\\)"):
         resolve_model(str(folder))
     chosen = resolve_model(f"{folder}:Q8_0")
-    from moespec.calibrate.locate import model_key
+    from moespec.artifacts import model_key
 
     assert model_key(chosen) == os.path.abspath(folder / "Tiny-Q8_0.gguf")
 
@@ -76,7 +76,7 @@ def test_hub_cache_repo_resolves_by_id_and_quant(tmp_path, monkeypatch, q8):
     (repo / "refs" / "main").write_text("abc123")
     (repo / "snapshots" / "abc123").mkdir(parents=True)
     shutil.copy(path, repo / "snapshots" / "abc123" / "Tiny-Q8_0.gguf")
-    from moespec.calibrate.locate import model_key
+    from moespec.artifacts import model_key
 
     assert model_key(resolve_model("org/Tiny-GGUF")) == "org/Tiny-GGUF:Q8_0"
     assert model_key(resolve_model("org/Tiny-GGUF:q8_0")) == "org/Tiny-GGUF:Q8_0"
@@ -156,7 +156,8 @@ def test_int4_on_quantised_experts_says_so_unless_requantize(tmp_path, q8):
 
 
 def test_second_load_reads_the_dense_cache_instead_of_dequantising(tmp_path, q8, monkeypatch):
-    from moespec.gguf import dense_cache, source
+    from moespec.gguf import dense_cache
+    from moespec.runtime.host import gguf_source as source
 
     path = tmp_path / "m.gguf"
     shutil.copy(q8[0], path)

@@ -15,7 +15,7 @@ from tiny_gguf import write_gguf
 
 from moespec.config import RuntimeConfig
 from moespec.gguf.export import ExportTypes
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 IDS = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
 
@@ -49,7 +49,7 @@ def test_equal_to_transformers_from_pretrained_gguf(tmp_path):
 
 
 def test_qwen3moe_expert_width_comes_from_expert_feed_forward_length(tmp_path):
-    from moespec.gguf.source import GgufSource
+    from moespec.runtime.host.gguf_source import GgufSource
     from moespec.hub.resolve import resolve_model
 
     path, ref = write_gguf(tmp_path, "qwen3_moe", ExportTypes("Q8_0"), hidden=32, inter=64)

@@ -121,7 +121,7 @@ def download(
 def _download_gguf(console: Console, model: str, quant: str, revision: Optional[str], token: Optional[str],
                    local_dir: Optional[Path]) -> None:
     """Fetch one quant's file set of a GGUF repo, then prepare it (config, tokenizer) as chat will."""
-    from moespec.gguf.hub import plan_gguf_download
+    from moespec.hub.gguf_repos import plan_gguf_download
     from moespec.hub.errors import hub_endpoint
     from moespec.hub.sizes import format_bytes
 

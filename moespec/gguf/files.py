@@ -126,3 +126,26 @@ def find_model(path: Path, quant: str | None = None) -> GgufFiles:
     labels = ", ".join(f"{f.name} ({f.quant or '?'})" for f in found[:6])
     raise ModelNotFoundError(f"{path} holds {len(found)} GGUF models: {labels}",
                              "pass one .gguf file, or append :QUANT to pick one (e.g. MODEL:Q4_K_M)")
+
+
+def quant_of(path: str) -> str:
+    """The quant label of a repo file: from its name, else from its folder's name."""
+    return quant_label(Path(path).name) or quant_label(Path(path).parent.name)
+
+
+def select_quant(paths: list[str], repo_id: str, quant: str) -> list[str]:
+    """The files of ``quant``'s set among a repo's ``paths`` (every split part).
+
+    Raises:
+        CheckpointError: the repo has no GGUF files.
+        ModelNotFoundError: no set of that quant (lists the quants the repo has).
+    """
+    ggufs = sorted(p for p in paths if is_gguf(Path(p)) and not is_projector(Path(p)))
+    if not ggufs:
+        raise CheckpointError(f"{repo_id} has no GGUF files", "drop --quant to download its safetensors checkpoint")
+    chosen = [p for p in ggufs if quant_of(p).upper() == quant.upper()]
+    if not chosen:
+        have = sorted({quant_of(p) or Path(p).name for p in ggufs})
+        raise ModelNotFoundError(f"{repo_id} has no {quant} GGUF; it has {', '.join(have)}",
+                                 f"pass one of them with --quant, e.g. --quant {have[0]}")
+    return chosen

@@ -67,12 +67,11 @@ def resolve_gguf(model: str, revision: str | None = None) -> Path | None:
 
 def cached_snapshot_dir(repo_id: str, revision: str | None = None) -> Path | None:
     """The Hub cache's snapshot folder of ``repo_id`` at ``revision`` (a ref or a commit), or None; no network."""
+    from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
-    from moespec.hub.resolve import hub_cache_dir
-
-    try:
-        repo = hub_cache_dir() / repo_folder_name(repo_id=repo_id, repo_type="model")
+    try:  # the Hub cache folder (HF_HUB_CACHE), as moespec.hub.resolve reads it
+        repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     except Exception:  # an invalid id: not ours to explain
         return None
     rev = revision or "main"

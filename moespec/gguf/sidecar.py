@@ -27,7 +27,7 @@ FORMAT = 1
 
 def sidecar_dir(key: str) -> Path:
     """Where the prepared folder of the GGUF model known as ``key`` lives."""
-    from moespec.hub.artifacts import sanitize_model_id
+    from moespec.artifacts import sanitize_model_id
     from moespec.paths import moespec_home
 
     return moespec_home() / "gguf" / sanitize_model_id(key)

@@ -86,7 +86,7 @@ def select_files(paths: Iterable[str], model: str, index: dict | None = None) ->
     all_paths = sorted(set(paths))
     ggufs = [p for p in all_paths if p.endswith(".gguf") and not p.rsplit("/", 1)[-1].startswith("mmproj")]
     if CONFIG_FILE not in all_paths and ggufs:
-        from moespec.gguf.hub import quant_of
+        from moespec.gguf.files import quant_of
 
         quants = sorted({quant_of(p) for p in ggufs} - {""})
         raise CheckpointError(f"{model} is a GGUF repo ({', '.join(quants) or len(ggufs)} files) with no config.json",

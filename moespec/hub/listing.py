@@ -12,12 +12,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from moespec.calibrate.locate import calibration_candidates
-from moespec.estimator.locate import estimator_candidates
+from moespec.artifacts import calibration_candidates, estimator_candidates
 from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
 from moespec.hub.support import SUPPORTED_MODEL_TYPES
 from moespec.errors import CheckpointError, UnsupportedModelError
+from moespec.gguf.files import GgufFiles
 from moespec.paths import models_dir
 
 
@@ -37,7 +37,7 @@ class LocalModel:
         sizes: config-derived size breakdown; None when the model_type has no size rule.
         status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
             (no safetensors weights or missing shards, e.g. an interrupted download).
-        has_calibration / has_estimator: the artifact files exist (moespec.hub.artifacts).
+        has_calibration / has_estimator: the derived files exist (moespec.artifacts).
     """
 
     model_id: str
@@ -98,8 +98,6 @@ def _describe(model_id: str, source: str, refs: tuple[str, ...], commit: str, fo
 
 def _hub_models(cache_dir: Path) -> list[LocalModel]:
     from huggingface_hub import scan_cache_dir
-
-    from moespec.gguf.hub import hub_gguf_models
     from huggingface_hub.errors import CacheNotFound
 
     try:
@@ -113,7 +111,7 @@ def _hub_models(cache_dir: Path) -> list[LocalModel]:
         for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
             refs = tuple(sorted(rev.refs))
             if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():  # a GGUF repo, or not a transformers model
-                out += hub_gguf_models(repo.repo_id, refs, rev.commit_hash, Path(rev.snapshot_path))
+                out += _hub_gguf_models(repo.repo_id, refs, rev.commit_hash, Path(rev.snapshot_path))
                 continue
             out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
     return out
@@ -131,13 +129,52 @@ def _built_models(root: Path) -> list[LocalModel]:
 
 def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
     """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder,
-    and the GGUF models among them and moespec has run (moespec.gguf.hub: one entry per quant set).
+    and the GGUF models among them and moespec has run (one entry per quant set).
 
     Hub models come first, sorted by id; a repo with several cached revisions gives one entry each.
     Never touches the network.
     """
     from moespec.hub.resolve import hub_cache_dir
 
-    from moespec.gguf.hub import local_gguf_models
+    return _hub_models(cache_dir or hub_cache_dir()) + _local_gguf_models() + _built_models(models_dir())
 
-    return _hub_models(cache_dir or hub_cache_dir()) + local_gguf_models() + _built_models(models_dir())
+
+def _gguf_row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
+    """The LocalModel (moespec.hub.listing) of one GGUF model known as ``key``."""
+    from moespec.gguf.sidecar import sidecar_dir
+    from moespec.hub.gguf_repos import describe_gguf
+
+    model_type, sizes, status = describe_gguf(files, key)
+    folder = sidecar_dir(key)
+    return LocalModel(model_id=key, source=source, refs=refs, commit=commit, path=files.first, model_type=model_type,
+                      disk_bytes=files.total_bytes, sizes=sizes, status=status,
+                      has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
+                      has_estimator=any(p.is_file() for p in estimator_candidates(folder)))
+
+
+def _hub_gguf_models(repo_id: str, refs: tuple, commit: str, snapshot: Path) -> list:
+    """One row per GGUF model (quant) in a Hub cache snapshot, named ``org/repo:QUANT``."""
+    from moespec.hub.gguf_repos import hub_gguf_sets
+
+    return [_gguf_row(f"{repo_id}:{f.quant}" if f.quant else repo_id, "hub", refs, commit, f) for f in hub_gguf_sets(snapshot)]
+
+
+def _local_gguf_models() -> list:
+    """One row per local .gguf moespec has prepared (named by its path; Hub ones are listed with the Hub's)."""
+    import os
+
+    from moespec.gguf.files import split_parts
+    from moespec.gguf.sidecar import read_marker
+    from moespec.paths import moespec_home
+
+    root, out = moespec_home() / "gguf", []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        data = read_marker(folder)
+        key = str(data.get("key")) if data else ""
+        if not (os.path.isabs(key) and Path(key).is_file()):
+            continue
+        try:
+            out.append(_gguf_row(key, "gguf", (), "", split_parts(Path(data["checkpoint"]["parts"][0]))))
+        except CheckpointError:  # a split part went missing since
+            continue
+    return out

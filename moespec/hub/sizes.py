@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 from moespec.errors import OptionError, UnsupportedModelError
 
 # Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
-# refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host_memory).
+# refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host.memory).
 HOST_HEADROOM_BYTES = 512 * 2**20
 
 QUANT_BITS = {"int8": 8, "int4": 4}  # --expert-dtype values quantised at load

@@ -1,12 +1,12 @@
 """CheckpointSource: the loader's one seam to the weights, whatever format holds them.
 
-The loader (offload.load_offloaded / _load_weights) asks a source for the transformers config, the
+The loader (runtime.load: load_offloaded, _load_weights, open_source picks the source) asks a source for the transformers config, the
 layout of one expert row, a stream of tensors already mapped to where they go (an expert part of
 the store, or a dense parameter by its in-memory name) and a fingerprint that cached derived files
 (quantised stores) are keyed by. :class:`SafetensorsSource` reads a transformers folder (config.json
-+ *.safetensors) through a bounded window of its file mapping (checkpoint.iter_tensors); a folder
++ *.safetensors) through a bounded window of its file mapping (host.checkpoint.iter_tensors); a folder
 that moespec prepared for a GGUF file (moespec.gguf.sidecar: config, tokenizer and the file's
-tensor table) is read by moespec.gguf.source.GgufSource, which keeps experts in their GGUF blocks.
+tensor table) is read by host.gguf_source.GgufSource, which keeps experts in their GGUF blocks.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class SafetensorsSource:
     """
 
     def __init__(self, folder: Path) -> None:
-        from moespec.runtime.checkpoint import safetensors_files
+        from moespec.runtime.host.checkpoint import safetensors_files
 
         self.folder = Path(folder)
         self.files = safetensors_files(self.folder)
@@ -86,7 +86,7 @@ class SafetensorsSource:
 
     def tensors(self, adapter: MoeAdapter, layout: ExpertLayout, device: torch.device, dtype: torch.dtype,
                 read_experts: bool) -> Iterator[SourceTensor]:
-        from moespec.runtime.checkpoint import iter_tensors
+        from moespec.runtime.host.checkpoint import iter_tensors
 
         convert = adapter.expert_converter(layout)
         skip = None if read_experts else (lambda name: adapter.expert_key(name) is not None)
@@ -99,22 +99,6 @@ class SafetensorsSource:
                 yield SourceTensor(k, n, t, file.name, mapped=True)
 
     def fingerprint(self) -> list[list]:
-        from moespec.runtime.quant_store_cache import checkpoint_fingerprint
+        from moespec.runtime.host.quant_store import checkpoint_fingerprint
 
         return checkpoint_fingerprint(self.folder, self.files)
-
-
-def open_source(folder: str | Path) -> CheckpointSource:
-    """The source of the model folder ``folder`` (a GGUF-prepared folder or a safetensors one).
-
-    Raises:
-        ModelNotFoundError, CheckpointError: the folder holds no readable checkpoint.
-    """
-    from moespec.gguf import SOURCE_FILE
-
-    folder = Path(folder)
-    if (folder / SOURCE_FILE).is_file():
-        from moespec.gguf.source import GgufSource
-
-        return GgufSource.open(folder)
-    return SafetensorsSource(folder)

@@ -1,4 +1,5 @@
-"""GGUF models and the Hub: `moespec download REPO --quant Q4_K_M`, and `moespec models`' GGUF rows.
+"""GGUF models and the Hub: `moespec download REPO --quant Q4_K_M`, and the sizes of `moespec models`'
+GGUF rows (the rows themselves: moespec.hub.listing).
 
 A Hub GGUF repo holds one file set per quant type (a file, or split parts, sometimes in a folder
 named after the quant). ``--quant`` picks one set: only its parts are fetched (plus README and
@@ -13,31 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moespec.errors import CheckpointError, ModelNotFoundError
-from moespec.gguf.files import GgufFiles, is_gguf, is_projector, models_in, quant_label
-
-
-def quant_of(path: str) -> str:
-    """The quant label of a repo file: from its name, else from its folder's name."""
-    return quant_label(Path(path).name) or quant_label(Path(path).parent.name)
-
-
-def select_quant(paths: list[str], repo_id: str, quant: str) -> list[str]:
-    """The files of ``quant``'s set among a repo's ``paths`` (every split part).
-
-    Raises:
-        CheckpointError: the repo has no GGUF files.
-        ModelNotFoundError: no set of that quant (lists the quants the repo has).
-    """
-    ggufs = sorted(p for p in paths if is_gguf(Path(p)) and not is_projector(Path(p)))
-    if not ggufs:
-        raise CheckpointError(f"{repo_id} has no GGUF files", "drop --quant to download its safetensors checkpoint")
-    chosen = [p for p in ggufs if quant_of(p).upper() == quant.upper()]
-    if not chosen:
-        have = sorted({quant_of(p) or Path(p).name for p in ggufs})
-        raise ModelNotFoundError(f"{repo_id} has no {quant} GGUF; it has {', '.join(have)}",
-                                 f"pass one of them with --quant, e.g. --quant {have[0]}")
-    return chosen
+from moespec.errors import CheckpointError
+from moespec.gguf.files import GgufFiles, models_in, select_quant
 
 
 def plan_gguf_download(repo_id: str, quant: str, revision: str | None = None, token: str | None = None,
@@ -169,44 +147,3 @@ def describe_gguf(files: GgufFiles, key: str):
     except (OSError, ValueError, KeyError):
         return "?", None, "incomplete"
     return str(config.get("model_type", "?")), replace(gguf_sizes(ck, config), quant=files.quant), "ok"
-
-
-def _row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
-    """The LocalModel (moespec.hub.listing) of one GGUF model known as ``key``."""
-    from moespec.calibrate.locate import calibration_candidates
-    from moespec.estimator.locate import estimator_candidates
-    from moespec.gguf.sidecar import sidecar_dir
-    from moespec.hub.listing import LocalModel
-
-    model_type, sizes, status = describe_gguf(files, key)
-    folder = sidecar_dir(key)
-    return LocalModel(model_id=key, source=source, refs=refs, commit=commit, path=files.first, model_type=model_type,
-                      disk_bytes=files.total_bytes, sizes=sizes, status=status,
-                      has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
-                      has_estimator=any(p.is_file() for p in estimator_candidates(folder)))
-
-
-def hub_gguf_models(repo_id: str, refs: tuple, commit: str, snapshot: Path) -> list:
-    """One row per GGUF model (quant) in a Hub cache snapshot, named ``org/repo:QUANT``."""
-    return [_row(f"{repo_id}:{f.quant}" if f.quant else repo_id, "hub", refs, commit, f) for f in hub_gguf_sets(snapshot)]
-
-
-def local_gguf_models() -> list:
-    """One row per local .gguf moespec has prepared (named by its path; Hub ones are listed with the Hub's)."""
-    import os
-
-    from moespec.gguf.files import split_parts
-    from moespec.gguf.sidecar import read_marker
-    from moespec.paths import moespec_home
-
-    root, out = moespec_home() / "gguf", []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        data = read_marker(folder)
-        key = str(data.get("key")) if data else ""
-        if not (os.path.isabs(key) and Path(key).is_file()):
-            continue
-        try:
-            out.append(_row(key, "gguf", (), "", split_parts(Path(data["checkpoint"]["parts"][0]))))
-        except CheckpointError:  # a split part went missing since
-            continue
-    return out

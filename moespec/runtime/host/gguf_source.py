@@ -1,4 +1,4 @@
-"""GgufSource: the loader's CheckpointSource for a GGUF model (moespec.runtime.source).
+"""GgufSource: the loader's CheckpointSource for a GGUF model (moespec.runtime.host.source).
 
 Shapes: E experts, I expert intermediate, H hidden.
 
@@ -33,7 +33,7 @@ from moespec.gguf.sidecar import is_current, read_marker
 from moespec.models.base import ExpertKey, MoeAdapter
 from moespec.models.layout import ExpertLayout
 from moespec.models.quant import ExpertQuant
-from moespec.runtime.source import SourceTensor
+from moespec.runtime.host.source import SourceTensor
 
 CHUNK_BYTES = 16 * 2**20  # expert bytes read per file read
 DENSE_CHUNK_BYTES = 64 * 2**20  # float32 bytes above which a dense tensor is dequantised in row chunks
@@ -155,7 +155,7 @@ class GgufSource:
 
     def _dense_tensors(self, adapter: MoeAdapter, device: torch.device, dtype: torch.dtype) -> Iterator[SourceTensor]:
         """Dense tensors from the dense cache when it is complete, else dequantised (and cached as they go)."""
-        from moespec.runtime.checkpoint import iter_tensors
+        from moespec.runtime.host.checkpoint import iter_tensors
 
         cache = cache_file(self.folder, dtype)
         if readable(cache, dtype, self.fingerprint()):
