@@ -1,4 +1,5 @@
-"""GGUF models through the CLI: `download --quant` against the fake Hub, `models`, `chat`, `profile`."""
+"""GGUF models through the CLI: `download --quant` against the fake Hub, `models`, `chat`, `calibrate`,
+`train-estimator`, `profile`, `serve`."""
 
 from __future__ import annotations
 
@@ -51,14 +52,45 @@ def test_download_one_quant_then_models_and_chat(files, monkeypatch, tmp_path):
     assert json.loads(out.output.strip().splitlines()[-1])["stats"]["new_tokens"] == 4
 
 
-def test_profile_and_calibrate_take_a_gguf_file(files, tmp_path):
+def test_calibrate_train_estimator_and_profile_take_a_gguf_file(files, tmp_path):
+    from moespec.artifacts import default_calibration_path, default_estimator_path
+    from moespec.hub.resolve import resolve_model
+    from moespec.predict.estimator_file import load_estimator
+
     path = tmp_path / "Tiny-Q8_0.gguf"
     path.write_bytes(files["Tiny-Q8_0.gguf"])
     out = _run("calibrate", str(path), "--seq-len", "16", "--tokens", "64", "--device", "cpu")
     assert out.exit_code == 0, out.output
+    folder = resolve_model(str(path))
+    assert default_calibration_path(folder).is_file()  # keyed by the GGUF's path, where chat looks
+    out = _run("train-estimator", str(path), "--seq-len", "16", "--tokens", "256", "--epochs", "1", "--layers", "0",
+               "--device", "cpu")
+    assert out.exit_code == 0, out.output
+    assert load_estimator(default_estimator_path(folder)).layers == [0]  # where chat's estimator predictor looks
     report = tmp_path / "p.json"
     out = _run("profile", str(path), "--strategies", "none,quasi", "--prompt-len", "8", "--gen", "4", "--repeats", "1",
                "--warmup", "0", "--device", "cpu", "--out", str(report))
     assert out.exit_code == 0, out.output
     model = json.loads(report.read_text())["model"]
     assert model["expert_format"] == "gguf Q8_0/Q8_0/Q8_0" and model["expert_bytes"] == 3 * 64 * 64 // 32 * 34
+
+
+def test_serve_answers_as_chat_does(files, tmp_path):
+    """`moespec serve` on a GGUF file: named by the file, and its answer is `moespec chat`'s."""
+    openai = pytest.importorskip("openai")
+    from serve_harness import serve, tiny_runtime
+
+    from moespec.serve.app import ServeSettings
+
+    path = tmp_path / "Tiny-Q8_0.gguf"
+    path.write_bytes(files["Tiny-Q8_0.gguf"])
+    out = _run("chat", str(path), "--prompt", "hello", "--json", "--max-new-tokens", "6", "--cache-experts", "4",
+               "--device", "cpu", "--predictor", "router")
+    assert out.exit_code == 0, out.output
+    want = json.loads(out.stdout.strip().splitlines()[-1])["text"]
+    with serve(path, ServeSettings(max_queue=2), tiny_runtime()) as running:
+        client = openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["Tiny-Q8_0.gguf"]
+        got = client.chat.completions.create(model="Tiny-Q8_0.gguf", messages=[{"role": "user", "content": "hello"}],
+                                             max_tokens=6, temperature=0)
+    assert got.choices[0].message.content == want

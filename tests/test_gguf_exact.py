@@ -29,6 +29,7 @@ CASES = {
     "qwen2_moe-Q8_0": ("qwen2_moe", ExportTypes("Q8_0", dense="Q8_0"), dict(hidden=64, inter=64, shexp_gate_3d=True)),
     "gpt_oss-MXFP4": ("gpt_oss", ExportTypes("MXFP4"), dict(hidden=64, inter=64)),
     "mixtral-Q4_0": ("mixtral", ExportTypes("Q4_0", dense="Q4_0"), dict(hidden=64, inter=64)),
+    "mixtral-F32": ("mixtral", ExportTypes("F32", dense="F32"), dict()),
     "olmoe-F16": ("olmoe", ExportTypes("F16", dense="F16"), dict()),
     "deepseek_v3-Q8_0": ("deepseek_v3", ExportTypes("Q8_0"), dict(hidden=64, inter=64)),
     "deepseek_v2-Q4_0": ("deepseek_v2", ExportTypes("Q4_0"), dict(hidden=64, inter=64)),
@@ -81,7 +82,9 @@ def test_logits_equal_transformers_on_the_dequantised_weights(gguf_files, case):
     assert (inc - want_inc).abs().max() < 1e-5, (case, (inc - want_inc).abs().max())
 
 
-@pytest.mark.parametrize("case,on_miss", [("qwen3_moe-Q4_K+Q6_K", OnMiss.HOST), ("gpt_oss-MXFP4", OnMiss.FETCH)])
+@pytest.mark.parametrize("case,on_miss", [("qwen3_moe-Q4_K+Q6_K", OnMiss.HOST), ("gpt_oss-MXFP4", OnMiss.FETCH),
+                                          ("qwen2_moe-Q8_0", OnMiss.FETCH), ("mixtral-Q4_0", OnMiss.HOST),
+                                          ("deepseek_v3-Q8_0", OnMiss.FETCH)])
 def test_greedy_tokens_equal_transformers(gguf_files, case, on_miss):
     """Greedy decoding, with misses fetched or computed on the host from the GGUF rows."""
     from moespec.config import SamplingConfig

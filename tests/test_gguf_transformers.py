@@ -4,7 +4,8 @@ transformers 5.24 loads qwen3moe GGUFs by dequantising every tensor in host RAM:
 expert width is its default (768) it must give moespec's logits. On two shapes seen in
 llama.cpp-converted files it goes wrong and moespec must not: a qwen3moe expert width other than
 768 (it ignores expert_feed_forward_length) and a qwen2moe shared-expert gate, which it reads as
-[1, 1, H] and refuses (qwen2moe GGUFs with a shared expert do not load there at all).
+[1, 1, H] and refuses (qwen2moe GGUFs with a shared expert do not load there at all). Its gpt-oss
+path does not load llama.cpp's GPT-OSS files either: it reads the rope.scaling.* values as arrays.
 """
 
 from __future__ import annotations
@@ -69,3 +70,18 @@ def test_qwen2moe_shared_expert_gate(tmp_path, gate_3d):
         _transformers(path)
     with torch.no_grad():
         assert (_moespec_logits(path) - ref(IDS).logits).abs().max() < 1e-5
+
+
+def test_gpt_oss_does_not_load_in_transformers_and_runs_in_moespec(tmp_path):
+    """A GPT-OSS GGUF as llama.cpp writes it (yarn rope scaling, MXFP4 experts, sinks): transformers
+    5.24 fails on its metadata; should it ever load, it must agree with the reference."""
+    path, ref = write_gguf(tmp_path, "gpt_oss", ExportTypes("MXFP4"), hidden=64, inter=64)
+    with torch.no_grad():
+        want = ref(IDS).logits
+        try:
+            theirs = _transformers(path)(IDS).logits
+        except TypeError as exc:  # float() of rope.scaling.factor's array
+            assert "0-dimensional" in str(exc)
+        else:
+            assert (theirs - want).abs().max() < 1e-5
+    assert (_moespec_logits(path) - want).abs().max() < 1e-5

@@ -131,9 +131,12 @@ def _check_positive(value: int, flag: str, least: int) -> None:
 
 
 def served_name(model: Optional[str], path) -> str:
-    """The model id clients ask for: the Hub id as given, else the folder's name."""
+    """The model id clients ask for: the Hub id as given (``org/repo:QUANT`` for a GGUF repo), a GGUF
+    file's name, else the folder's name (a GGUF file resolves to a prepared folder named by its path)."""
     from pathlib import Path
 
+    if model is not None and Path(model).expanduser().is_file():
+        return Path(model).expanduser().name
     if model is None or Path(model).expanduser().exists():
         return Path(path).name
     return model
