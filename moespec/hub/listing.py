@@ -17,8 +17,8 @@ from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
 from moespec.hub.support import SUPPORTED_MODEL_TYPES
 from moespec.errors import CheckpointError, UnsupportedModelError
-from moespec.gguf.files import GgufFiles
-from moespec.paths import models_dir
+from moespec.gguf.files import GgufFiles, split_parts
+from moespec.paths import models_dir, moespec_home
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
 
 
 def _gguf_row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
-    """The LocalModel (moespec.hub.listing) of one GGUF model known as ``key``."""
+    """The LocalModel of one GGUF model known as ``key`` (its sizes: moespec.hub.gguf_repos)."""
     from moespec.gguf.sidecar import sidecar_dir
     from moespec.hub.gguf_repos import describe_gguf
 
@@ -161,11 +161,7 @@ def _hub_gguf_models(repo_id: str, refs: tuple, commit: str, snapshot: Path) -> 
 
 def _local_gguf_models() -> list:
     """One row per local .gguf moespec has prepared (named by its path; Hub ones are listed with the Hub's)."""
-    import os
-
-    from moespec.gguf.files import split_parts
     from moespec.gguf.sidecar import read_marker
-    from moespec.paths import moespec_home
 
     root, out = moespec_home() / "gguf", []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
