@@ -106,7 +106,7 @@ def test_greedy_tokens_equal_transformers(gguf_files, case, on_miss):
 
 def test_one_copy_moves_the_experts_bytes_in_the_file(gguf_files):
     """Per layer the row is gate | up | down as the file holds them (each padded to 16 bytes), and
-    each miss adds exactly one row to the H2D count."""
+    each miss moves exactly that layer's row: a layer with smaller parts copies fewer bytes than a slot."""
     from moespec.gguf.reader import GgufCheckpoint
     from moespec.runtime.host.gguf_source import GgufSource
     from moespec.hub.resolve import resolve_model
@@ -125,17 +125,20 @@ def test_one_copy_moves_the_experts_bytes_in_the_file(gguf_files):
             assert layout.numel - sum(file_bytes) < 3 * 16  # alignment padding only
             raw = ck.read(ck.tensors[f"blk.{layer}.ffn_down_exps.weight"], 3 * file_bytes[2], file_bytes[2])
             assert torch.equal(layout.views(om.store.expert(layer, 3))["down"], raw)  # the file's bytes, as they are
-        # Q6_K down in layer 1 makes its rows larger: every row has the largest layer's size
-        assert om.store.expert_bytes == max(om.store.layout.for_layer(x).numel for x in om.store.moe_layers)
+        # layer 0's Q8_0 up makes its rows larger: every slot has the largest layer's size
+        sizes = {x: om.store.layout.for_layer(x).numel for x in om.store.moe_layers}  # uint8 rows: bytes
+        assert om.store.expert_bytes == max(sizes.values()) > min(sizes.values())
         om.recorder.begin_step("prefill", len(GREEDY_PROMPT))
         with torch.inference_mode():
             om.runner.reset_step()
             om.model(torch.tensor([GREEDY_PROMPT]))
         step = om.recorder.end_step()
+        moved = om.cache.engine.bytes_moved
     finally:
         om.close()
-    total = step.total()
-    assert total.misses > 0 and total.h2d_bytes == total.misses * om.store.expert_bytes
+    for layer, st in step.layers.items():
+        assert st.misses > 0 and st.h2d_bytes == st.misses * sizes[layer], layer
+    assert moved == sum(st.h2d_bytes for st in step.layers.values())
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe-Q4_K+Q6_K", "gpt_oss-MXFP4"])

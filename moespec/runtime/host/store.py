@@ -69,6 +69,16 @@ class ExpertStore:
         """Bytes of one packed expert (what one H2D copy moves)."""
         return self.layout.numel * self.buffer.element_size()
 
+    def row_numel(self, layer: int) -> int:
+        """Storage elements of decoder layer ``layer``'s rows that hold data: ``layout.numel`` except
+        where a GGUF file's layers differ in quant type (the rest of the row is padding, never copied)."""
+        return self.layout.for_layer(layer).numel
+
+    def copy_bytes(self, layer: int) -> int:
+        """Bytes one H2D copy of a layer-``layer`` expert moves (its row's data, without the padding
+        up to the largest layer's row)."""
+        return self.row_numel(layer) * self.buffer.element_size()
+
     @property
     def total_bytes(self) -> int:
         """Bytes of all experts in the store."""
