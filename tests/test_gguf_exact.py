@@ -11,6 +11,8 @@ experts in different layers, as llama-quantize's Q4_K_M does.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny import GREEDY_PROMPT
@@ -139,6 +141,11 @@ def test_one_copy_moves_the_experts_bytes_in_the_file(gguf_files):
     for layer, st in step.layers.items():
         assert st.misses > 0 and st.h2d_bytes == st.misses * sizes[layer], layer
     assert moved == sum(st.h2d_bytes for st in step.layers.values())
+    from moespec.hub.gguf_repos import gguf_sizes
+
+    listed = gguf_sizes(ck, json.loads((folder / "config.json").read_text()))  # what `moespec models` shows
+    assert listed.expert_bytes == om.store.expert_bytes
+    assert listed.zero_cache_h2d_bytes_per_token == ref.config.num_experts_per_tok * sum(sizes.values())
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe-Q4_K+Q6_K", "gpt_oss-MXFP4"])

@@ -52,7 +52,8 @@ class GgufSizes:
 
     Attributes:
         dtype: the compute dtype it implies; expert_format: "gguf Q4_K/Q4_K/Q6_K".
-        expert_bytes: one row (what one copy moves); moe_layers, num_experts, top_k: its shape.
+        expert_bytes: one row, the largest layer's; moe_layers, num_experts, top_k: its shape.
+        layer_bytes: per MoE layer, what one copy moves (less than a row where layers mix quant types).
         dense_bytes: the dense part dequantised to ``dtype``.
         quant: the file's quant label ("Q4_K_M"), or "".
     """
@@ -67,6 +68,7 @@ class GgufSizes:
     dense_bytes: int
     group_size: int = 0
     quant: str = ""
+    layer_bytes: tuple[int, ...] = ()
 
     @property
     def experts_bytes(self) -> int:
@@ -84,7 +86,7 @@ class GgufSizes:
 
     @property
     def zero_cache_h2d_bytes_per_token(self) -> int:
-        return self.moe_layers * self.top_k * self.expert_bytes
+        return self.top_k * (sum(self.layer_bytes) or self.moe_layers * self.expert_bytes)
 
 
 def gguf_sizes(ck, config: dict) -> GgufSizes:
@@ -110,7 +112,7 @@ def gguf_sizes(ck, config: dict) -> GgufSizes:
     return GgufSizes(model_type=str(config.get("model_type", "")), dtype=dtype, expert_format=fmt,
                      expert_bytes=max(rows.values(), default=0), moe_layers=len(rows), num_experts=num,
                      top_k=int(config.get("num_experts_per_tok", 0)),
-                     dense_bytes=dense * (4 if dtype == "float32" else 2))
+                     dense_bytes=dense * (4 if dtype == "float32" else 2), layer_bytes=tuple(rows[k] for k in sorted(rows)))
 
 
 def hub_gguf_sets(snapshot: Path) -> list[GgufFiles]:
