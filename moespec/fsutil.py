@@ -43,6 +43,20 @@ def atomic_path(path: str | os.PathLike, force: bool = True) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def temp_folder_beside(folder: Path, prefix: str) -> Path:
+    """A new temporary folder in ``folder``'s parent (made if missing), to build into and rename onto ``folder``.
+
+    Raises:
+        OutputError: the parent is not writable (names it).
+    """
+    try:
+        Path(folder).parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=Path(folder).parent))
+    except OSError as exc:
+        raise OutputError(f"cannot write to {Path(folder).parent}: {exc.strerror or exc}",
+                          "set MOESPEC_HOME to a writable folder") from exc
+
+
 def atomic_write_text(path: str | os.PathLike, text: str, force: bool = True) -> None:
     """Write ``text`` to ``path`` atomically (see :func:`atomic_path`)."""
     with atomic_path(path, force=force) as tmp:

@@ -29,7 +29,7 @@ class OpenedModel:
 
     def describe(self, cfg: RuntimeConfig) -> str:
         """One line: layers, experts, slots, device, predictor (for a start-up message)."""
-        from moespec.models.quant_layout import expert_format
+        from moespec.gguf.layout import row_format as expert_format
 
         om = self.engine.om
         return (f"{self.path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "

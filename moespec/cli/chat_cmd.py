@@ -12,7 +12,7 @@ import typer
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
-                                print_notes, register_command, set_threads)
+                                print_notes, register_command, Requantize, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -71,6 +71,7 @@ def chat(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    requantize: bool = Requantize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
@@ -97,6 +98,7 @@ def chat(
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
+        requantize=requantize,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

@@ -109,6 +109,9 @@ ExpertDtype = typer.Option("auto", "--expert-dtype",
                                 "or computed packed by the CPU kernels. w8a8 / w4a8: the same rows, and the "
                                 "CPU kernels quantise activations to int8 too (faster, not exact). A float "
                                 "dtype (= --dtype) dequantises MXFP4 once at load.")
+Requantize = Flag("--requantize",
+                  help="With --expert-dtype int8/int4 on a GGUF whose experts are already quantised: "
+                               "dequantise and quantise them again (without it that is refused).")
 GroupSize = typer.Option(None, "--group-size",
                          help="int8/int4: columns of a weight row per scale and zero point: 32, 64 "
                               "(default), 128 or 256.")
@@ -133,7 +136,8 @@ HostThreads = typer.Option(None, "--host-threads",
                            help="Worker threads computing misses on the host (--on-miss host/auto); "
                                 "default: the cores torch's threads leave free (CPU), all but two, at most 8 "
                                 "(CUDA: the launcher and the copy pump keep theirs).")
-ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
+ModelArg = typer.Argument(None, help="Local folder, .gguf file or Hub id in the local cache (REPO:QUANT picks a "
+                                           "GGUF quant); default: the embedded model.")
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
 SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each).")

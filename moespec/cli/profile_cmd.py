@@ -223,7 +223,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
-        from moespec.models.quant_layout import expert_format
+        from moespec.gguf.layout import row_format as expert_format
 
         err_console.print(
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "

@@ -8,7 +8,7 @@ import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
-                                ModelArg,
+                                ModelArg, Requantize,
                                 OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
                                 print_notes, set_threads)
 from moespec.errors import MoespecError
@@ -91,6 +91,7 @@ def serve(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    requantize: bool = Requantize,
     cache_policy: Optional[str] = CachePolicyOpt,
     on_miss: str = OnMissOpt,
     host_threads: Optional[int] = HostThreads,
@@ -128,6 +129,7 @@ def serve(
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
         guard_rule=guard_rule,
+        requantize=requantize,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,
@@ -143,9 +145,12 @@ def _check_positive(value: int, flag: str, least: int) -> None:
 
 
 def served_name(model: Optional[str], path) -> str:
-    """The model id clients ask for: the Hub id as given, else the folder's name."""
+    """The model id clients ask for: the Hub id as given (``org/repo:QUANT`` for a GGUF repo), a GGUF
+    file's name, else the folder's name (a GGUF file resolves to a prepared folder named by its path)."""
     from pathlib import Path
 
+    if model is not None and Path(model).expanduser().is_file():
+        return Path(model).expanduser().name
     if model is None or Path(model).expanduser().exists():
         return Path(path).name
     return model

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -32,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moespec.default_model.heap import keep_freed_memory
 from moespec.default_model.recipe import RECIPE_VERSION, calibration_windows, recipe_digest  # noqa: F401
 from moespec.errors import OutputError
+from moespec.fsutil import temp_folder_beside
 from moespec.paths import models_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-moe-e16k4"
@@ -166,12 +166,7 @@ def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
                   f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.build-", dir=folder.parent))
-    except OSError as exc:
-        raise OutputError(f"cannot write to {folder.parent}: {exc.strerror}",
-                          "set MOESPEC_HOME to a writable folder") from exc
+    tmp = temp_folder_beside(folder, f".{DEFAULT_MODEL_NAME}.build-")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a one-off CPU-bound job: use every core
     # Softmax and SiLU tails of the fits produce float32 denormals, which x86 CPUs compute

@@ -357,6 +357,6 @@ def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | No
     Raises:
         OptionError: a group size the low-bit kernels cannot take.
     """
-    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss":
+    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss" or not isinstance(sizes, ModelSizes):
         return sizes
     return replace(sizes, expert_format=expert_dtype, group_size=_group(group_size))

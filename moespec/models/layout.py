@@ -56,6 +56,11 @@ class ExpertLayout:
     hidden: int
     intermediate: int
 
+    def for_layer(self, layer: int) -> ExpertLayout:
+        """The layout of decoder layer ``layer``'s rows: this one, except where a GGUF file stores
+        layers in different quant types (moespec.gguf.layout.LayeredLayout)."""
+        return self
+
     # --- parts ---------------------------------------------------------------------------
     def part_shapes(self) -> dict[str, tuple[int, ...]]:
         """Stored parts of one expert, in packing order, with their shapes in storage elements."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from moespec.config import OnMiss
 from moespec.errors import DataError, OutputError
 from moespec.fsutil import atomic_path
-from moespec.models.quant_layout import expert_format
+from moespec.gguf.layout import row_format as expert_format
 from moespec.profile.guard_view import add_vs_exact
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate

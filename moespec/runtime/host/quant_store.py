@@ -21,6 +21,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from moespec.artifacts import quant_store_path
 from moespec.errors import OutputError
@@ -68,15 +69,16 @@ class QuantStoreCache:
     meta: dict
 
     @classmethod
-    def for_store(cls, model_folder: Path, files: list[Path], store: ExpertStore) -> QuantStoreCache | None:
-        """The cache for ``store`` (None when its layout is not quantised: nothing to cache)."""
+    def for_store(cls, model_folder: Path, fingerprint: Callable[[], list], store: ExpertStore) -> QuantStoreCache | None:
+        """The cache for ``store`` (None when its layout is not quantised: nothing to cache); ``fingerprint``
+        gives the checkpoint's (CheckpointSource.fingerprint, called only when there is something to cache)."""
         layout = store.layout
         if not isinstance(layout, QuantLayout):
             return None
         meta = {"format": FORMAT, "layout": type(layout).__name__, "bits": layout.bits,
                 "group_size": layout.group_size, "hidden": layout.hidden, "intermediate": layout.intermediate,
                 "row_bytes": layout.numel, "num_experts": store.num_experts, "moe_layers": store.moe_layers,
-                "checkpoint": checkpoint_fingerprint(model_folder, files)}
+                "checkpoint": fingerprint()}
         return cls(cache_path(model_folder, layout), json.loads(json.dumps(meta)))
 
     def load_into(self, store: ExpertStore) -> bool:

@@ -150,7 +150,7 @@ class HostExpertPool:
     def _job(self, layer: int, x: torch.Tensor, expert: int, act) -> ExpertJob:
         """The batch job of one expert: its store row's Linear-shaped weights (or the layout's own
         forward), the d2h of its tokens and the h2d of its output, both on the worker."""
-        layout, row = self.store.layout, self.store.expert(layer, expert)
+        layout, row = self.store.layout.for_layer(layer), self.store.expert(layer, expert)
         weights = layout.linear_weights(row)  # None: the layout computes itself (GPT-OSS)
         # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
         load = (lambda t: t) if x.device.type == "cpu" else (lambda t: t.to("cpu"))  # [t, H] d2h

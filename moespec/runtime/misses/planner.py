@@ -150,7 +150,8 @@ def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, 
     Raises:
         OptionError: the host cannot compute these experts (names --on-miss).
     """
-    layout, layer = store.layout, store.moe_layers[0]
+    layer = store.moe_layers[0]
+    layout = store.layout.for_layer(layer)
     row = store.expert(layer, 0)  # [P] host row, read in place
     hidden = layout.hidden
 
