@@ -70,7 +70,6 @@ def train_estimator(
     seed: int = Seed,
 ) -> None:
     import shutil
-    import time
     from pathlib import Path
 
     from moespec.calibrate.data import load_text_source
@@ -78,12 +77,10 @@ def train_estimator(
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
     from moespec.estimator.collect import read_manifest
-    from moespec.estimator.file import default_estimator_path, save_estimator
+    from moespec.estimator.file import default_estimator_path
     from moespec.estimator.hybrid import HybridConfig
-    from moespec.estimator.run import (EstimatorConfig, find_model_calibration, fit,
-                                       input_kind, prepare_states)
+    from moespec.estimator.run import EstimatorConfig
     from moespec.estimator.train import TrainConfig
-    from moespec.runtime.offload import load_offloaded
 
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
     cfg = EstimatorConfig(
@@ -107,6 +104,21 @@ def train_estimator(
     plan = None
     if not (reuse_states and read_manifest(folder) is not None):
         plan = _plan(path, source, cfg, asked)
+    try:
+        _train(path, rcfg, cfg, calibration, plan, folder, reuse_states, source, target, keep_states)
+    finally:  # Ctrl-C or an error included: states nobody asked to keep never stay behind
+        if not (keep_states or reuse_states):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _train(path, rcfg, cfg, calibration, plan, folder, reuse_states: bool, source, target, keep_states: bool) -> None:
+    """Load the model, collect (or reuse) the states, train, write the file and show the result."""
+    import time
+
+    from moespec.estimator.file import save_estimator
+    from moespec.estimator.run import find_model_calibration, fit, input_kind, prepare_states
+    from moespec.runtime.offload import load_offloaded
+
     om = load_offloaded(path, rcfg)
     try:
         if cfg.seq_len > om.max_context():
@@ -130,8 +142,6 @@ def train_estimator(
     finally:
         om.close()
     save_estimator(target, outcome.file)
-    if not (keep_states or reuse_states):
-        shutil.rmtree(folder, ignore_errors=True)
     _render(outcome, reused, t1 - t0, t2 - t1, target, folder if (keep_states or reuse_states) else None)
 
 

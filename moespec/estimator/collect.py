@@ -21,9 +21,11 @@ split always runs every layer, because it scores the parameter-free predictors a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -125,13 +127,15 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         from moespec.fsutil import atomic_path
+        from moespec.integrity import per_tensor_digests
 
         if not self._pending_rows:
             return
         name = f"{self.split}-{len(self.names):05d}.safetensors"
         tensors = {k: torch.cat(v).contiguous() for k, v in self._parts.items()}
-        with atomic_path(self.folder / name) as tmp:
-            save_file(tensors, str(tmp))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        with atomic_path(self.folder / name, size=size) as tmp:
+            save_file(tensors, str(tmp), metadata=per_tensor_digests(tensors))  # load_shard checks what it reads
         self.names.append(name)
         self.rows += self._pending_rows
         self._parts, self._bytes, self._pending_rows = {}, 0, 0
@@ -139,14 +143,32 @@ class ShardWriter:
 
 def load_shard(path: Path, layers: list[int], keys: tuple[str, ...] = ("state", "logits", "ids", "weights"),
                device: torch.device | str = "cpu") -> dict[str, dict[int, torch.Tensor]]:
-    """key -> layer -> rows of one shard (only the keys and layers asked for)."""
-    from safetensors import safe_open
+    """key -> layer -> rows of one shard (only the keys and layers asked for), checked against the
+    shard's checksums.
 
+    Raises:
+        DataError: the shard is truncated, unreadable, or its data differs from its checksums.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from moespec.integrity import mismatched, safetensors_damage
+
+    redo = "drop --reuse-states to collect the states again"
+    damage = safetensors_damage(Path(path))
+    if damage is not None:
+        raise DataError(f"states shard {path} is {damage}", redo)
     out: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        for k in keys:
-            for layer in layers:
-                out[k][layer] = f.get_tensor(f"{k}/{layer}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            read = {f"{k}/{layer}": f.get_tensor(f"{k}/{layer}") for k in keys for layer in layers}
+            bad = mismatched(f.metadata(), read)
+    except (SafetensorError, OSError) as exc:
+        raise DataError(f"states shard {path} is not readable ({exc})", redo) from exc
+    if bad:
+        raise DataError(f"states shard {path} is corrupt: {bad[0]} does not match its checksum", redo)
+    for name, t in read.items():
+        k, layer = name.rsplit("/", 1)
+        out[k][int(layer)] = t.to(device)
     return out
 
 
@@ -248,14 +270,33 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         truncate: end each training forward at the last target layer's router (the fast path);
             False runs every layer (the slow reference). Both write the same rows.
     """
+    from moespec.cleanup import lock_fd
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = lock_fd(folder)  # `moespec models --clean` leaves a collection that runs alone
+    try:
+        clear_states(folder)  # what a killed collection left
+        return _collect(om, plan, manifest, predictors, folder, vectors, progress, shard_bytes, truncate)
+    except BaseException:  # Ctrl-C, a full disk: shards without a manifest are never reused, so go now
+        clear_states(folder)
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayerPredictor], folder: Path,
+             vectors: torch.Tensor | None, progress: Progress | None, shard_bytes: int,
+             truncate: bool) -> StatesManifest:
     from safetensors.torch import save_file
 
     from moespec.calibrate.recall import RecallObserver
     from moespec.fsutil import atomic_path, atomic_write_text
+    from moespec.integrity import digest_metadata
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    clear_states(folder)
     maker = predictors[manifest.input]
     with torch.inference_mode():
         train = ShardWriter(folder, "train", shard_bytes)
@@ -269,7 +310,8 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         held.flush()
     if vectors is not None:
         with atomic_path(folder / VECTORS) as tmp:
-            save_file({"vectors": vectors.float().cpu().contiguous()}, str(tmp))
+            tensors = {"vectors": vectors.float().cpu().contiguous()}
+            save_file(tensors, str(tmp), metadata=digest_metadata(tensors))
     manifest.tokens, manifest.heldout_tokens = train.rows, held.rows
     manifest.shards = {"train": train.names, "heldout": held.names}
     manifest.baseline = baseline_recall(scorer, maker, manifest.moe_layers)
@@ -312,12 +354,39 @@ def read_manifest(folder: Path) -> StatesManifest | None:
     if missing:
         raise DataError(f"states folder {folder} lacks {len(missing)} shard(s), e.g. {missing[0]}",
                         "drop --reuse-states to collect the states again")
+    from moespec.integrity import safetensors_damage
+
+    for name in [n for names in manifest.shards.values() for n in names]:
+        damage = safetensors_damage(Path(folder) / name)  # a truncated shard: said now, not mid-training
+        if damage is not None:
+            raise DataError(f"states shard {Path(folder) / name} is {damage}",
+                            "drop --reuse-states to collect the states again")
     return manifest
 
 
 def read_vectors(folder: Path) -> torch.Tensor | None:
-    """[S, E, H] default vectors saved with the states (None for input "router")."""
-    from safetensors.torch import load_file
+    """[S, E, H] default vectors saved with the states (None for input "router").
+
+    Raises:
+        DataError: the file is damaged (truncated, checksum, NaN/Inf).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from moespec.integrity import nonfinite, safetensors_damage, verify_digest
 
     path = Path(folder) / VECTORS
-    return load_file(str(path))["vectors"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    redo = "drop --reuse-states to collect the states again"
+    damage = safetensors_damage(path)
+    try:
+        if damage is None:
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {"vectors": f.get_tensor("vectors")}
+                if verify_digest(f.metadata(), tensors) is False or nonfinite(tensors):
+                    damage = "corrupt: its data does not match its checksum or is not finite"
+    except (SafetensorError, OSError) as exc:
+        damage = f"unreadable ({exc})"
+    if damage is not None:
+        raise DataError(f"{path} is {damage}", redo)
+    return tensors["vectors"]
