@@ -217,12 +217,28 @@ def build_lock_path(models: Path) -> Path:
 
 
 def build_temps(models: Path) -> list[Path]:
-    """Temp folders of default-model builds in ``models`` (valid only while a build holds the lock)."""
+    """Temp folders of default-model builds in ``models`` (the build's output folder before its rename,
+    an old build moved aside) and in the wheels folder beside it (a source-wheel fetch): leftovers
+    whenever no build holds the lock."""
     from moespec.paths import DEFAULT_MODEL_FOLDER
 
-    if not models.is_dir():
-        return []
-    return sorted(models.glob(f".{DEFAULT_MODEL_FOLDER}.build-*"))
+    out = []
+    if models.is_dir():
+        out += models.glob(f".{DEFAULT_MODEL_FOLDER}.build-*")
+        out += models.glob(f".{DEFAULT_MODEL_FOLDER}.old-*")
+    wheels = models.parent / "wheels"
+    if wheels.is_dir() and not wheels.is_symlink():
+        out += wheels.glob(".wheel-*")
+    return sorted(out)
+
+
+def sweep_build_temps(models: Path) -> int:
+    """Remove :func:`build_temps` (call it holding the build lock); bytes freed."""
+    freed = 0
+    for p in build_temps(models):
+        freed += size_of(p)
+        remove(p)
+    return freed
 
 
 def _build_leftovers(models: Path) -> list[Leftover]:

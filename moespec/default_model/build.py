@@ -166,8 +166,11 @@ def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
                   f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
+    from moespec.cleanup import sweep_build_temps
+
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        sweep_build_temps(folder.parent)  # what a killed build left (we hold the build lock)
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.build-", dir=folder.parent))
     except OSError as exc:
         raise OutputError(f"cannot write to {folder.parent}: {exc.strerror}",

@@ -7,6 +7,7 @@ breakdown, and whether a calibration and an estimator file exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class LocalModel:
         status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
             (no safetensors weights or missing shards, e.g. an interrupted download).
         has_calibration / has_estimator: the artifact files exist (moespec.hub.artifacts).
+        partial_bytes: bytes of unfinished downloads of this repo (``blobs/*.incomplete``), counted
+            in ``disk_bytes`` too; the next `moespec download` resumes them.
     """
 
     model_id: str
@@ -50,6 +53,7 @@ class LocalModel:
     status: str
     has_calibration: bool
     has_estimator: bool
+    partial_bytes: int = 0
 
     @property
     def runnable(self) -> bool:
@@ -107,11 +111,15 @@ def _hub_models(cache_dir: Path) -> list[LocalModel]:
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
         if repo.repo_type != "model":
             continue
+        # scan_cache_dir counts only finished blobs; a killed download's parts are on disk too
+        partial = sum(p.stat().st_size for p in (Path(repo.repo_path) / "blobs").glob("*.incomplete"))
         for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
             if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():
                 continue  # not a transformers model (or config not downloaded)
             refs = tuple(sorted(rev.refs))
-            out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
+            model = _describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path),
+                              rev.size_on_disk + partial)
+            out.append(dataclasses.replace(model, partial_bytes=partial))
     return out
 
 
