@@ -96,6 +96,7 @@ def calibrate(
     om = load_offloaded(path, rcfg)
     try:
         _check_context(om, cfg.seq_len)
+        _check_room(om, target)
         err_console.print(f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
                           f"(top-{om.adapter.top_k()}) on {om.device}, {om.cache.num_slots} cache slots; "
                           f"{plan.calib_tokens} calibration + {plan.heldout_tokens} held-out tokens "
@@ -132,6 +133,15 @@ def _resolve(model: Optional[str]):
 
         raise OptionError("the embedded default model is not part of this build", "pass MODEL (a folder or Hub id)") from None
     return ensure_default_model(err_console)
+
+
+def _check_room(om, target) -> None:
+    """Refuse now, not after the run, a calibration file the disk cannot hold (its size is known)."""
+    from moespec.calibrate.collect import VARIANTS
+    from moespec.fsutil import check_free_space
+
+    m, e, h = len(om.store.moe_layers), om.store.num_experts, om.store.layout.hidden
+    check_free_space(target, m * e * h * 4 * len(VARIANTS) + m * e * 8 + 65536)  # vectors, frequencies, header
 
 
 def _check_context(om, seq_len: int) -> None:

@@ -158,7 +158,10 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
 def _one_shot(session, prompt: str, json_out: bool, out) -> None:
     if json_out:
         text = "".join(session.send(prompt))
-        print(json.dumps({"text": text, "stats": asdict(session.last.summary)}))
+        from moespec.integrity import json_safe
+
+        # JSON has no NaN: a value that is not a number (recall without a prediction) is null
+        print(json.dumps(json_safe({"text": text, "stats": asdict(session.last.summary)}), allow_nan=False))
         return
     try:
         for piece in session.send(prompt):

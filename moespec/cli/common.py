@@ -156,7 +156,7 @@ def print_notes(notes: list[str]) -> None:
     """Print the loader's one-line notes (e.g. a stale calibration file's fallback) on stderr, so
     even ``--json`` output stays only the answer."""
     for note in notes:
-        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
 
 def default_threads() -> int | None:

@@ -271,12 +271,14 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
             False runs every layer (the slow reference). Both write the same rows.
     """
     from moespec.cleanup import lock_fd
+    from moespec.fsutil import check_free_space
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     lock = lock_fd(folder)  # `moespec models --clean` leaves a collection that runs alone
     try:
         clear_states(folder)  # what a killed collection left
+        check_free_space(folder, states_bytes(plan, manifest))  # said before the collection, not after it
         return _collect(om, plan, manifest, predictors, folder, vectors, progress, shard_bytes, truncate)
     except BaseException:  # Ctrl-C, a full disk: shards without a manifest are never reused, so go now
         clear_states(folder)
@@ -317,6 +319,14 @@ def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayer
     manifest.baseline = baseline_recall(scorer, maker, manifest.moe_layers)
     atomic_write_text(folder / MANIFEST, json.dumps(asdict(manifest), indent=1, allow_nan=True))
     return manifest
+
+
+def states_bytes(plan, manifest: StatesManifest) -> int:
+    """Bytes the states of ``plan``'s chunks take on disk: per token and served layer a bf16 state [H],
+    the true logits [E] (f32), ids [K] (i64) and weights [K] (f32)."""
+    tokens = sum(len(c) for c in [*plan.calib, *plan.heldout])
+    row = manifest.hidden * 2 + manifest.experts * 4 + manifest.top_k * 12
+    return tokens * len(manifest.layers) * row
 
 
 def baseline_recall(scorer, predictor: NextLayerPredictor, moe_layers: list[int]) -> dict[str, list[float]]:

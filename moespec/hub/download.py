@@ -193,12 +193,17 @@ def download_model(
     Raises:
         HubUnreachableError, HubAccessError, ModelNotFoundError: as in :func:`plan_download`.
         CheckpointError: the folder lacks files after the download (a shard missing on the Hub).
+        OutputError: the disk cannot hold the files still to fetch (said before any byte moves).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     from moespec.hub.progress import byte_progress_class
     from moespec.hub.resume import drop_finished_parts, resume_partial_files
 
+    from moespec.fsutil import check_free_space
+
+    target = plan.local_dir or Path(constants.HF_HUB_CACHE)
+    check_free_space(target, plan.fetch_bytes - plan.partial_bytes)  # before any byte moves
     report = on_bytes or (lambda done: None)
     resumed = 0
     if plan.local_dir is None and plan.partial_bytes:  # a killed download's parts: only the rest moves

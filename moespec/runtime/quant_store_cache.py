@@ -134,15 +134,13 @@ class QuantStoreCache:
             user: the file is only a cache, so nothing is raised and nothing partial stays.
         """
         from moespec.fsutil import check_free_space, save_safetensors_atomic
-        from moespec.paths import display_path
 
         tensors = {TENSOR: store.buffer}
         try:
             check_free_space(self.path, store.buffer.numel())  # before the write, not after
             save_safetensors_atomic(self.path, tensors, self.meta, META_KEY)
         except OutputError as exc:
-            return (f"the quantised experts were not cached in {display_path(self.path.parent)} ({exc.message}); "
-                    "the next start quantises them again")
+            return f"the quantised experts are not cached ({exc.message}); the next start quantises them again"
         return None
 
 
