@@ -60,14 +60,13 @@ def calibrate(
     import time
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
     from moespec.calibrate.data import load_text_source, plan_chunks
     from moespec.calibrate.file import ensure_writable, save_calibration
     from moespec.calibrate.locate import default_calibration_path
     from moespec.calibrate.run import CalibrateConfig
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
+    from moespec.model_check import load_tokenizer
     from moespec.runtime.offload import load_offloaded
 
     set_threads(threads)
@@ -83,13 +82,7 @@ def calibrate(
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     target = ensure_writable(Path(out) if out else default_calibration_path(path))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        from moespec.errors import CheckpointError
-
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
-                              "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
+    tokenizer = load_tokenizer(path, rcfg.dtype)
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
     for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)

@@ -103,7 +103,7 @@ def train_estimator(
     folder = Path(states_dir).expanduser() if states_dir else _default_states_dir(path)
     plan = None
     if not (reuse_states and read_manifest(folder) is not None):
-        plan = _plan(path, source, cfg, asked)
+        plan = _plan(path, source, cfg, asked, rcfg.dtype)
     try:
         _train(path, rcfg, cfg, calibration, plan, folder, reuse_states, source, target, keep_states)
     finally:  # Ctrl-C or an error included: states nobody asked to keep never stay behind
@@ -191,17 +191,11 @@ def _default_states_dir(path):
     return moespec_home() / "estimator-states" / sanitize_model_id(model_key(path))
 
 
-def _plan(path, source, cfg, asked: bool):
-    from transformers import AutoTokenizer
-
+def _plan(path, source, cfg, asked: bool, dtype: str = "auto"):
     from moespec.calibrate.data import plan_chunks
-    from moespec.errors import CheckpointError
+    from moespec.model_check import load_tokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
-                              "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
+    tokenizer = load_tokenizer(path, dtype)
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
     for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)

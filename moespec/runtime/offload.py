@@ -282,8 +282,11 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from moespec.model_check import check_config
+
     path = Path(path)
     files = safetensors_files(path)
+    check_config(path, cfg.dtype)  # config.json faults in one line, not in transformers' traceback
     device = resolve_device(cfg.device)
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
