@@ -135,3 +135,64 @@ def test_ctrl_c_inside_a_write_leaves_nothing(tmp_path):
             save_file({"x": torch.zeros(4)}, str(tmp))
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
+
+
+def test_models_clean_finds_every_kind_of_leftover_and_spares_live_writes(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moespec.cli.app import app
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MOESPEC_HOME", str(home))
+    experts = home / "experts" / "m"
+    experts.mkdir(parents=True)
+    _kill_when(experts, "quant_store", "written", 0.01, lambda f: any(_written(t) for t in _temps(f)))
+    states = home / "estimator-states" / "m"
+    states.mkdir(parents=True)
+    (states / "train-00000.safetensors").write_bytes(b"x" * 1000)  # a collection killed before its manifest
+    kept = home / "estimator-states" / "kept"
+    kept.mkdir()
+    (kept / "manifest.json").write_text("{}")  # finished states kept with --keep-states: not leftovers
+    build = home / "models" / ".smollm2-135m-moe-e16k4.build-abc123"
+    build.mkdir(parents=True)
+    (build / "model.safetensors").write_bytes(b"y" * 500)
+    live = cleanup.lock_fd(states)  # a collection that runs now is never touched ...
+    try:
+        found = {p.path for p in cleanup.find_leftovers(home, tmp_path / "no-hub")}
+        assert states not in found and build in found and any(p.parent == experts for p in found)
+    finally:
+        os.close(live)
+    leftovers = cleanup.find_leftovers(home, tmp_path / "no-hub")  # ... until it is gone
+    assert {p.kind for p in leftovers} == {"temp file of an interrupted write", "estimator states of an interrupted "
+                                           "collection", "temp folder of an interrupted default-model build"}
+    r = CliRunner().invoke(app, ["models"])
+    assert "reclaimable" in r.output and "moespec models --clean" in r.output
+    r = CliRunner().invoke(app, ["models", "--clean", "--json"])
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["freed_bytes"] == sum(p.bytes for p in leftovers) and report["freed_bytes"] > 1500
+    assert _temps(experts) == [] and not states.exists() and not build.exists() and kept.is_dir()
+    assert cleanup.find_leftovers(home, tmp_path / "no-hub") == []
+
+
+def test_ctrl_c_in_train_estimator_leaves_no_states(tiny_models, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import moespec.estimator.collect as collect
+    from moespec.cli.app import app
+
+    real = collect.run_collection
+
+    def interrupt_after_one_shard(om, chunks, observer, collector, stage, progress=None):
+        real(om, chunks[:1], observer, collector, stage, progress)
+        collector.writer.flush()  # one shard on disk, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(collect, "run_collection", interrupt_after_one_shard)
+    folder = tmp_path / "states"
+    r = CliRunner().invoke(app, ["train-estimator", str(tiny_models["qwen3_moe"]), "--states-dir", str(folder),
+                                 "--tokens", "128", "--seq-len", "32", "--layers", "0", "--keep-states",
+                                 "--out", str(tmp_path / "e.safetensors")])
+    assert r.exit_code == 130 and "nothing partial was written" in r.output
+    assert not folder.exists() or list(folder.iterdir()) == []  # the shard went too, even with --keep-states

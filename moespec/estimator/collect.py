@@ -367,10 +367,8 @@ def read_manifest(folder: Path) -> StatesManifest | None:
     from moespec.integrity import safetensors_damage
 
     for name in [n for names in manifest.shards.values() for n in names]:
-        damage = safetensors_damage(Path(folder) / name)  # a truncated shard: said now, not mid-training
-        if damage is not None:
-            raise DataError(f"states shard {Path(folder) / name} is {damage}",
-                            "drop --reuse-states to collect the states again")
+        if (damage := safetensors_damage(Path(folder) / name)) is not None:  # said now, not mid-training
+            raise DataError(f"states shard {Path(folder) / name} is {damage}", "drop --reuse-states to collect the states again")
     return manifest
 
 
@@ -387,7 +385,6 @@ def read_vectors(folder: Path) -> torch.Tensor | None:
     path = Path(folder) / VECTORS
     if not path.is_file():
         return None
-    redo = "drop --reuse-states to collect the states again"
     damage = safetensors_damage(path)
     try:
         if damage is None:
@@ -398,5 +395,5 @@ def read_vectors(folder: Path) -> torch.Tensor | None:
     except (SafetensorError, OSError) as exc:
         damage = f"unreadable ({exc})"
     if damage is not None:
-        raise DataError(f"{path} is {damage}", redo)
+        raise DataError(f"{path} is {damage}", "drop --reuse-states to collect the states again")
     return tensors["vectors"]
