@@ -141,8 +141,8 @@ OPTIONS: dict[str, Range] = {
     "--threads": Range(int, 1, usable_cores, why=CORES),
     "--host-threads": Range(int, 1, usable_cores, why=CORES),
     "--link-gbps": Range(float, 0, 10_000, low_open=True, why="GB/s"),
-    "--fetch-threshold": Range(float, 0, 1, why="renormalised gate weight; a comma list in profile",
-                               parse=_float_list),
+    "--fetch-threshold": Range(float, 0, 100, why="renormalised gate weight, above 1 never fetches; a comma "
+                                                  "list in profile", parse=_float_list),
     "--tokens": Range(int, 1, BIG),
     "--heldout-tokens": Range(int, 1, BIG),
     "--seq-len": Range(int, 1, 1_048_576, why="the model's context is checked when it loads"),

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from moespec.default_model.convert import LayerFits, LayerReport
 from moespec.fsutil import atomic_path, atomic_write_text
-from moespec.integrity import digest_metadata, safetensors_damage, verify_digest
+from moespec.integrity import digest_metadata, nonfinite, safetensors_damage, verify_digest
 
 STATE_FILE = "state.json"
 HIDDEN_FILE = "hidden.safetensors"
@@ -106,8 +106,8 @@ class LayerCheckpoints:
             raise ValueError(f"{path} is {damage}")
         with safe_open(str(path), framework="pt") as fh:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-            if verify_digest(fh.metadata(), tensors) is False:
-                raise ValueError(f"{path} does not match its checksum")
+            if verify_digest(fh.metadata(), tensors) is False or nonfinite(tensors):
+                raise ValueError(f"{path} does not match its checksum or holds NaN/Inf")
         return tensors
 
     def hidden(self) -> torch.Tensor:

@@ -151,7 +151,7 @@ def load_shard(path: Path, layers: list[int], keys: tuple[str, ...] = ("state", 
     """
     from safetensors import SafetensorError, safe_open
 
-    from moespec.integrity import mismatched, safetensors_damage
+    from moespec.integrity import mismatched, nonfinite, safetensors_damage
 
     redo = "drop --reuse-states to collect the states again"
     damage = safetensors_damage(Path(path))
@@ -164,8 +164,8 @@ def load_shard(path: Path, layers: list[int], keys: tuple[str, ...] = ("state", 
             bad = mismatched(f.metadata(), read)
     except (SafetensorError, OSError) as exc:
         raise DataError(f"states shard {path} is not readable ({exc})", redo) from exc
-    if bad:
-        raise DataError(f"states shard {path} is corrupt: {bad[0]} does not match its checksum", redo)
+    if bad or (bad := nonfinite(read)):
+        raise DataError(f"states shard {path} is corrupt: {bad[0]} does not match its checksum or is not finite", redo)
     for name, t in read.items():
         k, layer = name.rsplit("/", 1)
         out[k][int(layer)] = t.to(device)
