@@ -11,7 +11,7 @@ from moespec.errors import OptionError
 
 
 class Predictor(str, enum.Enum):
-    """How the next layer's experts are predicted (design.md, "Predictors")."""
+    """How the next layer's experts are predicted (``--predictor``; moespec/predict)."""
 
     NONE = "none"  # no prefetch: on-demand loading (the paper's baseline)
     ROUTER = "router"  # router_{l+1}(LN_{l+1}(r_l)) (Eliseev & Mazur 2023)
@@ -22,7 +22,7 @@ class Predictor(str, enum.Enum):
 
 
 class ExecuteMode(str, enum.Enum):
-    """What runs at layer l+1 when the prediction was wrong (design.md, "Execution")."""
+    """What runs at layer l+1 when the prediction was wrong (README, "What `exact` means", "Guarded mode")."""
 
     EXACT = "exact"  # true router; missing experts fetched synchronously
     SPECULATIVE = "speculative"  # predicted experts with predicted weights (the paper)
@@ -30,14 +30,14 @@ class ExecuteMode(str, enum.Enum):
 
 
 class GuardRule(str, enum.Enum):
-    """Which misses `guarded` mode skips (runtime/guard.py, ``--guard-rule``); τ = ``--fetch-threshold``."""
+    """Which misses `guarded` mode skips (runtime/layer/guard.py, ``--guard-rule``); τ = ``--fetch-threshold``."""
 
     THRESHOLD = "threshold"  # every miss whose renormalised weight is < τ
     BUDGET = "budget"  # misses lightest first while the token's skipped weight stays <= τ
 
 
 class CachePolicy(str, enum.Enum):
-    """Which expert the cache area evicts (runtime/cache_policy.py, ``--cache-policy``)."""
+    """Which expert the cache area evicts (runtime/cache/eviction.py, ``--cache-policy``)."""
 
     LRU = "lru"  # least recently used
     LFU = "lfu"  # least frequently used, seeded from calibration frequencies
@@ -57,7 +57,7 @@ DEFAULT_FETCH_THRESHOLD = 0.2
 # Measured on the default model (README, "Cache policies"): used when a calibration file is found.
 DEFAULT_CACHE_POLICY = CachePolicy.LFRU
 class OnMiss(str, enum.Enum):
-    """Where an expert that is not in the device cache runs (design.md, "Runtime": where a miss runs)."""
+    """Where an expert that is not in the device cache runs (README, "Where a miss runs")."""
 
     FETCH = "fetch"  # copy it into a slot and compute on the device (on-demand loading)
     HOST = "host"  # compute it on the host from its store row; only its [t, H] output moves
@@ -109,7 +109,7 @@ class RuntimeConfig:
         predictor: how the next layer's experts are predicted.
         execute: what runs on a wrong prediction.
         fetch_threshold: τ of the guarded mode, in renormalised gate weight (0 = exact, >1 never fetch).
-        guard_rule: how τ picks the misses guarded mode skips (runtime/guard.py).
+        guard_rule: how τ picks the misses guarded mode skips (runtime/layer/guard.py).
         guard_substitute: run the best resident expert by router logit in place of a skipped one
             (False: drop it and renormalise over what runs).
         link_gbps: emulated host->device link in GB/s on CPU (None = unthrottled copies).
@@ -150,7 +150,7 @@ class RuntimeConfig:
             raise OptionError(f"--host-threads {self.host_threads} must be at least 1",
                               "pass --host-threads 1 or more, or leave it out (measured at load)")
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the
-        # real minimum in experts and bytes (moespec.runtime.offload.num_slots): one message for every value.
+        # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

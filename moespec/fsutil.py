@@ -33,15 +33,15 @@ def atomic_path(path: str | os.PathLike, force: bool = True, size: int | None = 
             full (naming the path and the bytes needed), or the write failed with an OS error
             (safetensors' own error type included).
     """
-    from moespec import cleanup
+    from moespec import tempfiles
 
     path = Path(path)
     if path.exists() and not force:
         raise OutputError(f"{path} exists already", "pass --force to overwrite it")
-    prefix, suffix = cleanup.temp_name(path)
+    prefix, suffix = tempfiles.temp_name(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        cleanup.sweep_target(path)
+        tempfiles.sweep_target(path)
         if size is not None:
             check_free_space(path, size)
         folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=path.parent))
@@ -49,7 +49,7 @@ def atomic_path(path: str | os.PathLike, force: bool = True, size: int | None = 
         raise OutputError(f"cannot write to {path.parent}: {exc.strerror}", "choose a writable --out path") from exc
     lock = None
     try:
-        lock = cleanup.lock_fd(folder)
+        lock = tempfiles.lock_fd(folder)
         tmp_path = folder / path.name
         try:
             yield tmp_path
@@ -99,7 +99,7 @@ def free_bytes(path: Path) -> int:
 
 def disk_full(path: Path, size: int | None = None) -> OutputError:
     """The one-line error of a full disk at ``path``."""
-    from moespec.hub.sizes import format_bytes
+    from moespec.units import format_bytes
 
     need = f"needs {format_bytes(size)}, " if size else ""
     try:

@@ -24,7 +24,7 @@ from tiny import make_checkpoint  # noqa: E402
 
 from moespec.config import Predictor, RuntimeConfig  # noqa: E402
 from moespec.runtime.engine import Engine  # noqa: E402
-from moespec.runtime.offload import load_offloaded  # noqa: E402
+from moespec.runtime.load import load_offloaded  # noqa: E402
 from moespec.runtime.stats import StatsRecorder, summarize  # noqa: E402
 
 

@@ -18,6 +18,7 @@ Usage: python scripts/gpu_check.py STEP --work DIR --out-dir DIR [--layers 4] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import resource
@@ -57,7 +58,7 @@ def slice_sizes(shape: dict, layers: int):
 
 
 def available_ram() -> int:
-    from moespec.runtime.host_memory import available_bytes
+    from moespec.runtime.host.memory import available_bytes
 
     return available_bytes()
 
@@ -140,8 +141,8 @@ def _demand_wait_ms(torch, engine, slots, rows, prefetches: int) -> float:
 def bandwidth(args) -> int:
     import torch
 
-    from moespec.runtime.host_memory import PinnedBuffer
-    from moespec.runtime.transfer_cuda import CudaTransferEngine
+    from moespec.runtime.host.memory import PinnedBuffer
+    from moespec.runtime.transfer.cuda import CudaTransferEngine
 
     dev = torch.device("cuda", 0)
     shape = QWEN3_30B_A3B
@@ -231,7 +232,7 @@ def syncs(args) -> int:
     from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
     from moespec.predict.base import NoPredictor, RouterPredictor
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
 
     folder = Path(args.work) / "qwen3-30b-a3b-slice"
@@ -240,7 +241,7 @@ def syncs(args) -> int:
     two_layers = 2 * build_info["num_experts"] * build_info["expert_bytes"]
     om = load_offloaded(folder, RuntimeConfig(device=device, dtype="bfloat16", predictor=Predictor.ROUTER,
                                               gpu_memory_bytes=two_layers), StatsRecorder())
-    refs = list(om.runner.predictor.refs.values())
+    refs = om.layer_refs()
     main = threading.get_ident()
     out = {"method": "torch.cuda.set_sync_debug_mode('warn'), warnings of the compute thread per decode token",
            "moe_layers": len(om.store.moe_layers), "runs": []}
@@ -248,7 +249,7 @@ def syncs(args) -> int:
         for name, pred, mode in (("none", NoPredictor, ExecuteMode.EXACT),
                                  ("router", RouterPredictor, ExecuteMode.EXACT),
                                  ("router", RouterPredictor, ExecuteMode.SPECULATIVE)):
-            om.runner.predictor, om.runner.execute = pred(om.adapter, refs), mode
+            om.use_policy(dataclasses.replace(om.policy, predictor=pred(om.adapter, refs), execute=mode))
             engine = Engine(om)
             counts, n = [], 0
             gen = engine.generate(list(range(100, 132)), SamplingConfig(max_new_tokens=9))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -29,7 +30,7 @@ def main() -> None:
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.strategy import Strategy, guard_arms
     from moespec.profile.trace import DecodeInputs
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache-experts", type=int, default=120)
@@ -50,14 +51,14 @@ def main() -> None:
     try:
         for note in om.notes:
             console.print(f"note: {note}", markup=False)
-        refs = list(om.runner.predictor.refs.values())
+        refs = om.layer_refs()
         arms = guard_arms((Strategy(Predictor.NONE),), threshold_list(args.taus))
         pcfg = ProfileConfig(strategies=arms, prompt_lens=(args.prompt_len,), gen=args.gen, repeats=1,
                              warmup_steps=0, execute=ExecuteMode.GUARDED, decode_inputs=DecodeInputs.TEXT)
         none = NoPredictor(om.adapter, refs)
         for variant in args.variants.split(","):
             rule, _, sub = variant.partition("+")
-            om.runner.guard_rule, om.runner.guard_substitute = GuardRule(rule), sub == "sub"
+            om.use_policy(replace(om.policy, guard_rule=GuardRule(rule), guard_substitute=sub == "sub"))
             prof = run_profile(om, _tokenizer(path), pcfg, {a.name: none for a in arms})
             rep = build_report(describe(om, "default"), {"cache_policy": om.cache.policy.value}, pcfg, prof)
             console.print(f"[bold]{variant}[/] (cache {om.cache.num_slots}, policy {om.cache.policy.value})")

@@ -16,9 +16,9 @@ import torch
 
 from moespec.models.registry import adapter_for
 from moespec.paths import DEFAULT_MODEL_FOLDER, models_dir
-from moespec.runtime.checkpoint import WINDOW_BYTES, MappingWindow, safetensors_files
-from moespec.runtime.quant_store_cache import TENSOR, QuantStoreCache
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow, safetensors_files
+from moespec.runtime.host.quant_store import TENSOR, QuantStoreCache
+from moespec.runtime.host.store import ExpertStore
 
 
 def unchecked(cache: QuantStoreCache, store: ExpertStore) -> None:

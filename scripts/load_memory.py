@@ -47,7 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from accelerate import init_empty_weights
 if sys.argv[2] != "auto":
     _primitives()  # nor torchao's (~1-4 s)
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -30,7 +30,7 @@ import torch
 from moespec.config import OnMiss, Predictor, RuntimeConfig
 from moespec.default_model.build import default_model_dir
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--link-gbps", type=float, required=True)

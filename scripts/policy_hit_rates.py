@@ -2,7 +2,7 @@
 
 Teacher-forces held-out text token by token through the default model (every expert resident, so
 the routing is the model's own), records the routing of each decode step, then replays it through
-the runtime's ExpertCache (cache_replay.py) for each policy and cache size: on-demand, with the
+the runtime's ExpertCache (runtime/cache/replay.py) for each policy and cache size: on-demand, with the
 router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
 rule. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
 line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -33,10 +34,11 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
 
     from moespec.config import CachePolicy, Predictor, RuntimeConfig
     from moespec.default_model import ensure_default_model
+    from moespec.predict.base import RouterPredictor
     from moespec.profile.trace import load_text
-    from moespec.runtime.cache_policy import load_seed
+    from moespec.runtime.cache.eviction import load_seed
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     torch.set_num_threads(1)
     path = ensure_default_model(None)
@@ -49,23 +51,26 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
                                             tokenize=False)
         ids, prompt, generate = tok(templated, add_special_tokens=False)["input_ids"], None, True
     engine = Engine(om)
-    om.runner.record_routing = True
     trace, preds = [], []
-    pred_hook = om.runner._prefetch_next  # record what the router predictor asks for
+    current: dict[int, list[int]] = {}
 
-    def spy(layer, pred):
-        target = om.runner.predictor.target(layer).layer
-        current.setdefault(target, list(pred.host_ids))
-        pred_hook(layer, pred)
+    class Recorded(RouterPredictor):
+        """The router predictor, keeping what it predicts for each layer in ``current``."""
 
-    om.runner._prefetch_next = spy
-    with torch.inference_mode():
+        def predict(self, layer, residual, used):
+            got = super().predict(layer, residual, used)
+            if got is not None:
+                current.setdefault(self.target(layer).layer, got.ids.reshape(-1).tolist())
+            return got
+
+    om.use_policy(replace(om.policy, predictor=Recorded(om.adapter, om.layer_refs())))
+    with torch.inference_mode(), om.recording_routings() as ran:
         last = engine.forward(ids[:prompt], "prefill")
         for i in range(tokens):
-            current: dict[int, list[int]] = {}
+            current = {}
             t = int(torch.argmax(last)) if generate else ids[prompt + i]
             last = engine.forward([t], "decode")
-            trace.append({layer: r.ids[0].tolist() for layer, r in sorted(om.runner.routings.items())})
+            trace.append({layer: r.ids[0].tolist() for layer, r in sorted(ran.items())})
             preds.append(current)
     k = om.adapter.top_k()
     total = len(om.store.moe_layers) * om.store.num_experts
@@ -81,8 +86,8 @@ def _steps(raw: list) -> list[dict[int, list[int]]]:
 
 def main() -> None:
     from moespec.config import CachePolicy
-    from moespec.runtime.cache_policy import make_rule
-    from moespec.runtime.cache_replay import replay
+    from moespec.runtime.cache.eviction import make_rule
+    from moespec.runtime.cache.replay import replay
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)

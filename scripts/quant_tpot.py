@@ -39,7 +39,7 @@ from pathlib import Path
 def _load(model: str, expert_dtype: str, link_gbps: float | None):
     from moespec.config import CachePolicy, Predictor, RuntimeConfig
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     cfg = RuntimeConfig(cache_experts=8, predictor=Predictor.NONE, device="cpu", expert_dtype=expert_dtype,
                         link_gbps=link_gbps, cache_policy=CachePolicy.LRU)

@@ -7,7 +7,7 @@ from tiny import make_checkpoint, reference_model
 
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 PROMPT = [7, 21, 250, 33, 90, 11, 4]

@@ -14,7 +14,7 @@ from moespec.calibrate.run import CalibrateConfig, calibrate
 from moespec.cli.app import app
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import CheckpointError, OptionError
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 FAMILIES = ["gpt_oss", "gpt_oss_mxfp4", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
 

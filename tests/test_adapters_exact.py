@@ -14,7 +14,7 @@ from tiny import reference_model
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.models.gpt_oss_experts import GptOssLayout, GptOssMxfp4Layout
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 FAMILIES = ["gpt_oss", "gpt_oss_mxfp4", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]

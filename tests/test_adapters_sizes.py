@@ -79,7 +79,7 @@ def test_the_store_moves_what_the_size_estimate_says(adapter_models, family):
     import json
 
     from moespec.config import RuntimeConfig
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     folder = adapter_models[family]
     config = json.loads((folder / "config.json").read_text())

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moespec.models.base import ExpertLayout
-from moespec.runtime.cache import ExpertCache
-from moespec.runtime.cache_replay import NullEngine, _NullStore
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.cache.replay import NullEngine, _NullStore
+from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.transfer import ThreadTransferEngine
 
 
@@ -97,7 +97,7 @@ def test_cancelled_prefetch_leaves_the_slot_empty_when_its_expert_came_back_else
 def test_reference_moe_matches_cached_compute():
     """The slow reference (straight from host rows) equals the slot-based compute."""
     from moespec.models.base import Routing
-    from moespec.runtime.experts import TopkSum, reference_moe, weighted_contribution
+    from moespec.runtime.layer.experts import TopkSum, reference_moe, weighted_contribution
 
     cache, engine = _cache(6)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def test_decode_fast_path_equals_general_path(dtype, wdtype):
     """decode_contribution (host-known position) == weighted_contribution (torch.where) bit for bit,
     including the product's dtype (bf16 output x float32 weight is float32, as in transformers)."""
     from moespec.models.base import ExpertLayout, Routing
-    from moespec.runtime.experts import decode_contribution, weighted_contribution
+    from moespec.runtime.layer.experts import decode_contribution, weighted_contribution
 
     torch.manual_seed(1)
     layout = ExpertLayout(hidden=8, intermediate=4)

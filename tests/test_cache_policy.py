@@ -1,6 +1,6 @@
 """Cache policies and the prefetch rule, one rule per test on scripted routing traces.
 
-Traces are replayed through the real ExpertCache (cache_replay.py): known hits, evictions and
+Traces are replayed through the real ExpertCache (runtime/cache/replay.py): known hits, evictions and
 copies (x expert bytes = H2D bytes). Then, on tiny models: exact mode stays exact under every
 policy, and a prefetch never takes a pinned or in-flight slot.
 """
@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from moespec.cli.app import app
 from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy, Predictor, RuntimeConfig
 from moespec.errors import CalibrationError
-from moespec.runtime.cache_policy import LFRU_DECAY, hot_set, make_rule, resolve_policy, seed_from_frequencies
-from moespec.runtime.cache_replay import replay
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.cache.eviction import LFRU_DECAY, hot_set, make_rule, resolve_policy, seed_from_frequencies
+from moespec.runtime.cache.replay import replay
+from moespec.runtime.load import load_offloaded
 
 A, B, C, D = 0, 1, 2, 3
 
@@ -241,8 +241,8 @@ def test_a_calibration_file_of_another_model_is_checked_like_quasi(tiny_models, 
     back to lru with a one-line note."""
     from test_calibrate import _calibrate
 
-    from moespec.calibrate.file import save_calibration
-    from moespec.calibrate.locate import BESIDE_MODEL
+    from moespec.artifacts import CALIBRATION_BESIDE_MODEL as BESIDE_MODEL
+    from moespec.predict.calibration_file import save_calibration
 
     calib = _calibrate(tiny_models["qwen3_moe"])
     own = save_calibration(tmp_path / "own.safetensors", calib)

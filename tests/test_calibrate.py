@@ -8,15 +8,15 @@ from tiny import make_checkpoint, reference_model
 
 from moespec.calibrate.collect import VARIANTS
 from moespec.calibrate.data import ChunkPlan
-from moespec.calibrate.file import config_hash, load_calibration, save_calibration
-from moespec.calibrate.recall import routing_hits
-from moespec.calibrate.run import (CalibrateConfig, calibrate, collect_default_vectors, layer_refs,
-                                   measure_recall)
+from moespec.calibrate.run import CalibrateConfig, calibrate, collect_default_vectors
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import CalibrationError, OutputError
 from moespec.models.base import Routing
 from moespec.predict.base import RouterPredictor
-from moespec.runtime.offload import load_offloaded
+from moespec.predict.calibration_file import config_hash, load_calibration, save_calibration
+from moespec.predict.recall import routing_hits
+from moespec.runtime.chunks import measure_recall
+from moespec.runtime.load import load_offloaded
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
@@ -133,14 +133,14 @@ class _ResidualRecorder:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recall_of_the_true_next_router_input_is_one(tiny_models, family):
-    from moespec.calibrate.run import run_chunks
+    from moespec.runtime.chunks import run_chunks
 
     om = _load(tiny_models[family])
     try:
         chunk = _chunks(1, 20)
         rec = _ResidualRecorder()
         run_chunks(om, chunk, rec, "heldout")
-        refs = layer_refs(om)
+        refs = om.layer_refs()
         metrics = measure_recall(om, chunk, {"true": _TrueInputPredictor(om.adapter, refs, rec.residual),
                                              "router": RouterPredictor(om.adapter, refs)})
     finally:
@@ -217,7 +217,7 @@ def test_an_interrupted_write_leaves_no_file(tiny_models, tmp_path, monkeypatch)
 
 
 def test_an_unwritable_output_is_an_output_error(tmp_path):
-    from moespec.calibrate.file import ensure_writable
+    from moespec.predict.calibration_file import ensure_writable
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

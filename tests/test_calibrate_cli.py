@@ -8,8 +8,8 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from moespec.calibrate.file import load_calibration
-from moespec.calibrate.locate import default_calibration_path
+from moespec.artifacts import default_calibration_path
+from moespec.predict.calibration_file import load_calibration
 from moespec.cli.app import app
 
 runner = CliRunner()

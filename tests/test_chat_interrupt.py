@@ -13,7 +13,7 @@ from moespec.chat.render import render
 from moespec.chat.session import ChatSession
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 from moespec.runtime.transfer import ThreadTransferEngine
 
@@ -49,7 +49,7 @@ def _assert_consistent(session) -> None:
     om, engine = session.engine.om, session.engine
     cache = om.cache
     assert cache.evictable() == cache.num_slots  # no pin left
-    assert om.runner.prefetch_pins == {} and om.runner.predicted == {}
+    assert om.ledger.held() == {} and om.runner.prefetcher.predicted == {}
     for slot in range(cache.num_slots):  # every slot that claims an expert holds exactly its bytes
         key = cache.key_of(slot)
         if key is not None:
@@ -72,10 +72,8 @@ def test_interrupt_leaves_a_consistent_runtime(tiny_models, adapter_models, fami
     try:
         "".join(session.send("Hello there"))
         history = [dict(m) for m in session.history]
-        session.engine.om.runner.observer = InterruptAt(layer, n)
-        with pytest.raises(KeyboardInterrupt):
+        with session.engine.om.observing(InterruptAt(layer, n)), pytest.raises(KeyboardInterrupt):
             "".join(session.send("And now?"))
-        session.engine.om.runner.observer = None
         _assert_consistent(session)
         turn = session.last
         assert turn.interrupted

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from moespec.config import RuntimeConfig
-from moespec.runtime.checkpoint import iter_tensors
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.host.checkpoint import iter_tensors
+from moespec.runtime.load import load_offloaded
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -80,7 +80,7 @@ def test_loaded_model_keeps_no_page_of_the_checkpoint_mapped(tiny_models, tmp_pa
 
 def test_second_start_keeps_no_page_of_the_cached_store_mapped(tiny_models, tmp_path, monkeypatch):
     """The cached quantised store is read through the same window: it leaves nothing mapped."""
-    from moespec.runtime.quant_store_cache import cache_path
+    from moespec.runtime.host.quant_store import cache_path
 
     monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
     cfg = RuntimeConfig(cache_experts=4, predictor="none", expert_dtype="int4")

@@ -183,7 +183,7 @@ def test_ctrl_c_or_ctrl_d_at_the_prompt_exits_cleanly(tiny_models, monkeypatch):
 
 
 def test_ctrl_c_during_an_answer_returns_to_the_prompt(tiny_models, monkeypatch):
-    from moespec.runtime.moe_layer import MoeLayerRunner
+    from moespec.runtime.layer.runner import MoeLayerRunner
 
     real_run, calls = MoeLayerRunner.run, []
 

@@ -82,7 +82,7 @@ def test_profile_still_offers_the_oracle(tiny_models):
 ])
 def test_a_missing_file_is_refused_before_the_model_loads(tiny_models, tmp_path, monkeypatch, command, predictor,
                                                           needle):
-    import moespec.runtime.offload as offload
+    import moespec.runtime.load as offload
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the missing file was reported")

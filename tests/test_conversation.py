@@ -20,7 +20,7 @@ from moespec.chat.render import merge_system, render
 from moespec.chat.session import ChatSession
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 DIVERGING_TEMPLATE = (

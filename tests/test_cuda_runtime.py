@@ -9,7 +9,7 @@ from tiny import reference_model
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 pytestmark = pytest.mark.cuda
@@ -74,8 +74,8 @@ def test_cuda_modes_multi_turn(tiny_models, mode):
 
 
 def _engine_fixture(n: int, nbytes: int = 32 << 20):  # ~0.7 ms per copy at 50 GB/s
-    from moespec.runtime.host_memory import PinnedBuffer
-    from moespec.runtime.transfer_cuda import CudaTransferEngine
+    from moespec.runtime.host.memory import PinnedBuffer
+    from moespec.runtime.transfer.cuda import CudaTransferEngine
 
     dev = torch.device("cuda", torch.cuda.current_device())
     host = PinnedBuffer(n * nbytes, dev)

@@ -15,7 +15,7 @@ from tiny import make_checkpoint
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 pytestmark = pytest.mark.cuda

@@ -153,7 +153,7 @@ def test_runtime_chat_equals_transformers_on_real_weights(built):
     from moespec.chat.session import ChatSession
     from moespec.config import RuntimeConfig, SamplingConfig
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     folder = built
     question = "What is the capital of France?"

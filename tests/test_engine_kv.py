@@ -14,7 +14,7 @@ from tiny import make_checkpoint, reference_model
 from moespec.config import Predictor, RuntimeConfig
 from moespec.runtime import kv as kvcache
 from moespec.runtime.engine import Engine, _cache_kwarg
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 FULL = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 ADAPTERS = ["gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]

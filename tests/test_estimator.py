@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from moespec.calibrate.file import config_hash
+from moespec.predict.calibration_file import config_hash
 from moespec.errors import CalibrationError
 from moespec.estimator.collect import ShardWriter, StatesManifest, load_shard
-from moespec.estimator.file import EstimatorFile, check_matches, load_estimator, save_estimator
+from moespec.predict.estimator_file import EstimatorFile, check_matches, load_estimator, save_estimator
 from moespec.estimator.hybrid import HybridConfig, choose
-from moespec.estimator.model import EstimatorBank, EstimatorShape
+from moespec.predict.estimator_net import EstimatorBank, EstimatorShape
 from moespec.estimator.train import TrainConfig, topk_select, train_bank
 
 H, E, K = 16, 8, 2

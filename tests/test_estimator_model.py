@@ -21,7 +21,8 @@ from moespec.calibrate.data import ChunkPlan
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import CalibrationError, DataError
 from moespec.estimator.collect import StatesManifest, collect_states, load_shard
-from moespec.estimator.file import default_estimator_path, load_estimator, save_estimator
+from moespec.artifacts import default_estimator_path
+from moespec.predict.estimator_file import load_estimator, save_estimator
 from moespec.estimator.hybrid import HybridConfig
 from moespec.estimator.run import EstimatorConfig, auto_layers, fit, prepare_states
 from moespec.estimator.train import TrainConfig
@@ -29,7 +30,7 @@ from moespec.predict.base import RouterPredictor
 from moespec.predict.estimator import EstimatorPredictor
 from moespec.predict.quasi import QuasiPredictor
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 
@@ -110,7 +111,7 @@ def test_the_runtime_uses_the_file_and_stays_exact(drift, trained, kind):
     save_estimator(default_estimator_path(drift), outcome.file)
     om = load_offloaded(drift, RuntimeConfig(predictor=kind, execute=ExecuteMode.EXACT, cache_experts=6), StatsRecorder())
     try:
-        pred = om.runner.predictor
+        pred = om.policy.predictor
         assert isinstance(pred, EstimatorPredictor) and pred.name == kind.value
         assert pred.modes == ({0: "estimator", 1: "router"} if kind == Predictor.HYBRID else {0: "estimator", 1: "estimator", 2: "router"})
         prompt = list(range(40, 60))
@@ -186,8 +187,6 @@ def test_cli_calibrate_then_train_estimator_then_chat(drift, tmp_path):
 def test_truncated_collection_writes_the_same_states_as_the_full_one(tmp_path):
     """The fast path (each training forward ends at the last target's router) against the slow reference
     (every layer runs): same rows, bit for bit, and the layer after the last target really is skipped."""
-    from moespec.calibrate.run import layer_refs
-
     model = make_checkpoint(tmp_path / "m", "qwen2_moe", seed=3, layers=4)  # shared expert, as the default model
     plan = ChunkPlan(calib=_chunks(5, 64, 3), heldout=_chunks(2, 64, 4))
     om = load_offloaded(model, RuntimeConfig(predictor=Predictor.NONE))
@@ -200,7 +199,7 @@ def test_truncated_collection_writes_the_same_states_as_the_full_one(tmp_path):
 
     om.runner.run = counting  # the offloaded blocks call runner.run: count MoE layers per forward
     try:
-        refs = layer_refs(om)
+        refs = om.layer_refs()
         g = torch.Generator().manual_seed(0)
         vectors = torch.randn(4, 8, 32, generator=g)  # [L, E, H] default vectors, so quasi signals are exercised
         predictors = {"router": RouterPredictor(om.adapter, refs),

@@ -12,7 +12,7 @@ from tiny import GREEDY_PROMPT, make_checkpoint, offloaded_greedy, reference_gre
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -26,10 +26,10 @@ def _incremental_logits(om, ids: torch.Tensor) -> torch.Tensor:
         from transformers import DynamicCache
 
         kv = DynamicCache(config=om.config)
-        om.runner.reset_step()
+        om.reset_step()
         outs.append(om.model(ids[:, :5], cache=kv, use_cache=True).logits)
         for t in range(5, ids.shape[1]):
-            om.runner.reset_step()
+            om.reset_step()
             outs.append(om.model(ids[:, t : t + 1], cache=kv, use_cache=True).logits)
     del engine
     return torch.cat(outs, dim=1)

@@ -1,7 +1,7 @@
 """bf16 `exact` mode equals transformers' DEFAULT experts implementation (not the eager loop).
 
 transformers 5 loads MoE models with ``experts_implementation="grouped_mm"`` unless told otherwise;
-it sums the K weighted expert outputs of a token in float32 and rounds once (experts.py). The
+it sums the K weighted expert outputs of a token in float32 and rounds once (runtime/layer/experts.py). The
 reference here is ``from_pretrained(dtype=bfloat16)`` with no experts_implementation, run with the
 same prefill/decode schedule as moespec. Stated tolerance: logits within BF16_ATOL (one bf16 ulp
 near the largest tiny-model logits; measured: bit-equal on CPU), greedy tokens equal over 64
@@ -18,7 +18,7 @@ from tiny import make_checkpoint
 
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 BF16_ATOL = 1 / 64  # bf16 spacing at |logit| in [2, 4): one ulp
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]

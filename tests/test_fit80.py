@@ -102,19 +102,21 @@ def test_profile_wide_keeps_one_table():
 
 
 def test_chat_footer_fits_one_line():
+    from moespec.chat.footer import footer
     from moespec.runtime.stats import Summary
 
     worst = Summary(prompt_tokens=10, new_tokens=10, ttft_ms=1e4, tpot_ms=9999.4, tokens_per_s=9999.4, recall=0.823,
                     weighted_recall=0.9, hit_rate=0.5, h2d_mb_per_token=9999.4, stall_ms_per_token=9999.4,
                     compute_ms_per_token=1.0, prefetch_wasted_per_token=0.0, skipped_per_token=0.0)
-    line = worst.footer()
+    line = footer(worst)
     assert len(line) <= 80
     assert "TPOT 9999 ms" in line and "recall@K 0.82" in line and "stall 9999 ms/tok" in line
     small = Summary(10, 10, 5.0, 86.24, 11.6, None, None, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)
-    assert small.footer() == "11.6 tok/s · TPOT 86.2 ms · recall@K n/a · H2D 0.00 MB/tok · stall 0.00 ms/tok"
+    assert footer(small) == "11.6 tok/s · TPOT 86.2 ms · recall@K n/a · H2D 0.00 MB/tok · stall 0.00 ms/tok"
 
 
 def test_chat_footer_with_host_experts_fits_80():
+    from moespec.chat.footer import footer
     from moespec.runtime.stats import Summary
 
     worst = Summary(prompt_tokens=10, new_tokens=10, ttft_ms=1e4, tpot_ms=9999.4, tokens_per_s=9999.4, recall=0.823,
@@ -122,13 +124,13 @@ def test_chat_footer_with_host_experts_fits_80():
                     compute_ms_per_token=1.0, prefetch_wasted_per_token=0.0, skipped_per_token=0.0,
                     host_experts_per_token=9999.4, host_ms_per_token=1.0)
     for policy in ("lru", "lfu", "lfru", "static"):
-        line = worst.footer(policy=policy, host=True)
+        line = footer(worst, policy=policy, host=True)
         assert len(line) <= 80, line
         assert line.endswith(f"host 9999 · {policy}") and "stall 9999 ms" in line and "TPOT 9999 ms" in line
     auto = Summary(10, 10, 5.0, 86.24, 11.6, None, None, 0.02, 1.567, 0.78, 1.0, 0.0, 0.0, 117.29, 30.5)
-    assert auto.footer(policy="lfru", host=True) == \
+    assert footer(auto, policy="lfru", host=True) == \
         "TPOT 86.2 ms · recall@K n/a · H2D 1.57 MB · stall 0.78 ms · host 117 · lfru"
-    assert "host" not in auto.footer(policy="lfru")  # --on-miss fetch: unchanged
+    assert "host" not in footer(auto, policy="lfru")  # --on-miss fetch: unchanged
 
 
 def test_stats_table_fits_80():

@@ -8,7 +8,7 @@ import torch
 
 from moespec.config import ExecuteMode, GuardRule, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
-from moespec.runtime.guard import guard_routing, guard_signals, plan_guard
+from moespec.runtime.layer.guard import guard_routing, guard_signals, plan_guard
 
 EXPERT_BYTES = 1000
 # K = 4 true experts 2, 5, 7, 1 with renormalised weights 0.4, 0.3, 0.2, 0.1 (E = 8).
@@ -74,7 +74,7 @@ def test_guarded_run_accounts_bytes_and_bounds_mass(tiny_models, rule):
     """On a tiny model: bytes = fetched misses × expert bytes; the budget rule never skips more than τ
     of a token's mass at a layer (threshold: each skipped expert is lighter than τ)."""
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
 
     tau = 0.3

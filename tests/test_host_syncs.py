@@ -17,9 +17,9 @@ from tiny import make_checkpoint
 from moespec.config import ExecuteMode, GuardRule, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
 from moespec.runtime.engine import Engine
-from moespec.runtime.experts import group_by_expert, token_positions
-from moespec.runtime.guard import guard_routing, guard_signals, plan_guard, substituted_routing
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.layer.experts import group_by_expert, token_positions
+from moespec.runtime.layer.guard import guard_routing, guard_signals, plan_guard, substituted_routing
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 LIMIT = {ExecuteMode.EXACT: 1, ExecuteMode.SPECULATIVE: 2, ExecuteMode.GUARDED: 2}  # issue 20

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from hub_fake_server import SHA_MAIN, VALID_TOKEN, fake_hub, hub_cache  # noqa: F401
 from moespec.cli.app import app
-from moespec.hub.artifacts import calibration_path, estimator_path, sanitize_model_id
+from moespec.artifacts import calibration_path, estimator_path, sanitize_model_id
 
 runner = CliRunner()
 

@@ -15,14 +15,14 @@ import torch
 from typer.testing import CliRunner
 
 import moespec.models.quant_layout as quant_layout
-from moespec.calibrate.file import load_calibration, save_calibration
-from moespec.calibrate.locate import BESIDE_MODEL
+from moespec.predict.calibration_file import load_calibration, save_calibration
+from moespec.artifacts import CALIBRATION_BESIDE_MODEL as BESIDE_MODEL
 from moespec.cli.app import app
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import CalibrationError, DataError
 from moespec.integrity import json_safe, safetensors_damage
-from moespec.runtime.offload import load_offloaded
-from moespec.runtime.quant_store_cache import QuantStoreCache, cache_path
+from moespec.runtime.load import load_offloaded
+from moespec.runtime.host.quant_store import QuantStoreCache, cache_path
 
 runner = CliRunner()
 
@@ -141,7 +141,7 @@ def test_nan_estimator_weights_are_refused(tmp_path):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_estimator import _estimator_file
 
-    from moespec.estimator.file import load_estimator, save_estimator
+    from moespec.predict.estimator_file import load_estimator, save_estimator
 
     ef = _estimator_file()
     with torch.no_grad():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moespec import cleanup
+from moespec import cleanup, tempfiles
 from writers import WRITERS
 
 def _temps(folder: Path) -> list[Path]:
@@ -78,7 +78,7 @@ def test_a_killed_write_is_swept_by_the_next_write_of_the_same_file(tmp_path, wr
     _kill_when(folder, writer, moment, 0.01, ready)
     left = _temps(folder)
     assert left and not (folder / name).exists()  # the kill really left something behind
-    assert cleanup.stale_temps(folder) == [p for p in left if p.name.endswith(".tmp")]  # its lock died with it
+    assert tempfiles.stale_temps(folder) == [p for p in left if p.name.endswith(".tmp")]  # its lock died with it
 
     WRITERS[writer][0](folder / name)  # the next run of the same writer
     assert _temps(folder) == [] and (folder / name).is_file()
@@ -107,7 +107,7 @@ def test_a_kill_while_safetensors_writes_its_own_temp_is_swept_too(tmp_path):
             break
         (folder / "int4-g64.safetensors").unlink()
     left = _temps(folder)
-    assert left and sum(cleanup.size_of(p) for p in left) > 2**20
+    assert left and sum(tempfiles.size_of(p) for p in left) > 2**20
     assert not list(folder.glob(".tmp*"))  # nothing beside the target: all inside the locked folder
     WRITERS["quant_store"][0](folder / "int4-g64.safetensors")
     assert _temps(folder) == []
@@ -120,8 +120,8 @@ def test_a_live_write_is_never_swept(tmp_path):
 
     with atomic_path(folder / "a.json") as tmp:
         tmp.write_text("{}")
-        assert cleanup.stale_temps(folder) == []  # locked by this write
-        assert cleanup.sweep_target(folder / "a.json") == 0 and tmp.is_file()
+        assert tempfiles.stale_temps(folder) == []  # locked by this write
+        assert tempfiles.sweep_target(folder / "a.json") == 0 and tmp.is_file()
     assert _temps(folder) == []
 
 
@@ -156,7 +156,7 @@ def test_models_clean_finds_every_kind_of_leftover_and_spares_live_writes(tmp_pa
     build = home / "models" / ".smollm2-135m-moe-e16k4.build-abc123"
     build.mkdir(parents=True)
     (build / "model.safetensors").write_bytes(b"y" * 500)
-    live = cleanup.lock_fd(states)  # a collection that runs now is never touched ...
+    live = tempfiles.lock_fd(states)  # a collection that runs now is never touched ...
     try:
         found = {p.path for p in cleanup.find_leftovers(home, tmp_path / "no-hub")}
         assert states not in found and build in found and any(p.parent == experts for p in found)

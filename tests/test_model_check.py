@@ -64,7 +64,7 @@ def _one_error_line(result) -> str:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_chat_names_the_fault_in_one_line(broken, case, monkeypatch):
-    import moespec.runtime.offload as offload
+    import moespec.runtime.load as offload
 
     real = offload._load_weights
     if "tokenizer" in case:  # a tokenizer fault is said before a single weight is read

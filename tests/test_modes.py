@@ -7,8 +7,8 @@ import torch
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
 from moespec.runtime.engine import Engine
-from moespec.runtime.guard import guard_routing
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.layer.guard import guard_routing
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 PROMPT = [3, 14, 15, 92, 65, 35]

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from moespec.config import ExecuteMode, OnMiss, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import OptionError
 from moespec.runtime.engine import Engine
-from moespec.runtime.experts import weighted_contribution
-from moespec.runtime.host_compute import HostExpertPool
-from moespec.runtime.miss_policy import Costs, MissPlanner
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.layer.experts import weighted_contribution
+from moespec.runtime.misses.host_pool import HostExpertPool
+from moespec.runtime.misses.planner import Costs, MissPlanner
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 MODES = [OnMiss.HOST, OnMiss.AUTO]
@@ -241,9 +241,9 @@ def test_auto_skips_the_predictor_where_it_does_not_pay(tiny_models, pays):
     rec = StatsRecorder()
     om = load_offloaded(folder, cfg, rec)
     try:
-        om.runner.host.predict_ms, om.runner.host.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
-        om.runner.host.observe_predict = lambda ms: None  # keep the scripted averages
-        om.runner.host.observe_used = lambda used: None
+        om.planner.predict_ms, om.planner.used_per_layer = (1e-9, 4.0) if pays else (100.0, 0.0)
+        om.planner.observe_predict = lambda ms: None  # keep the scripted averages
+        om.planner.observe_used = lambda used: None
         toks = list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
     finally:
         om.close()
@@ -314,7 +314,7 @@ def test_bad_host_threads_and_on_miss():
 
 
 def test_host_that_cannot_run_the_experts_is_a_typed_error(tiny_models, monkeypatch):
-    import moespec.runtime.miss_policy as mp
+    import moespec.runtime.misses.planner as mp
 
     def refuse(*args):
         raise NotImplementedError('"addmm_impl_cpu_" not implemented for \'Half\'')

@@ -12,10 +12,10 @@ import torch
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import BudgetError
 from moespec.models.base import ExpertLayout
-from moespec.runtime import host_memory, store as store_mod
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.host import memory as host_memory, store as store_mod
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import NullRecorder, StatsRecorder
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.store import ExpertStore
 
 
 class FakeCudart:
@@ -88,7 +88,7 @@ def test_too_little_host_ram_is_one_line_before_anything_is_allocated(tiny_model
 def test_host_ram_check_counts_the_store(tiny_models, monkeypatch):
     seen = []
     monkeypatch.setattr(host_memory, "check_host_memory", lambda need, what: seen.append(need))
-    from moespec.runtime import offload
+    from moespec.runtime import load as offload
 
     monkeypatch.setattr(offload, "check_host_memory", lambda need, what: seen.append(need))
     om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(cache_experts=4))
@@ -116,7 +116,7 @@ def test_load_wires_the_recorder_and_timing(tiny_models):
 
 def test_cuda_device_is_always_indexed_and_checked(monkeypatch):
     from moespec.errors import DeviceError
-    from moespec.runtime.offload import resolve_device
+    from moespec.runtime.load import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

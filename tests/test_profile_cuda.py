@@ -37,7 +37,7 @@ def test_profile_on_cuda_adds_up(tiny_models, tmp_path):
 
 def test_ticket_timestamps_on_cuda():
     from moespec.runtime.transfer import Span
-    from moespec.runtime.transfer_cuda import CudaTransferEngine
+    from moespec.runtime.transfer.cuda import CudaTransferEngine
 
     dev = torch.device("cuda", torch.cuda.current_device())
     eng = CudaTransferEngine(dev, num_slots=1)

@@ -68,7 +68,7 @@ def test_row_holds_codes_scales_and_zeros_of_one_expert(bits):
     gate, up, down = (torch.randn(*s, generator=gen) for s in ((i, h), (i, h), (h, i)))
     row = torch.zeros(layout.numel, dtype=torch.uint8)
     convert = layout.converter()
-    from moespec.models.base import ExpertKey
+    from moespec.models.layout import ExpertKey
 
     for part, w in (("gate", gate), ("up", up), ("down", down)):
         for key, t, _ in convert(ExpertKey(0, 0, part), w, part):
@@ -87,7 +87,7 @@ def test_row_holds_codes_scales_and_zeros_of_one_expert(bits):
 
 
 def test_fused_gate_up_checkpoint_lands_where_per_expert_parts_do():
-    from moespec.models.base import ExpertKey
+    from moespec.models.layout import ExpertKey
 
     layout = QuantLayout(hidden=32, intermediate=16, bits=8, group_size=32)
     fused = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(2))  # [E, 2I, H]

@@ -15,7 +15,7 @@ from tiny import reference_model
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.models.quant_layout import QuantLayout, fake_quantize_experts_
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
 

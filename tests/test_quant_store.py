@@ -17,8 +17,8 @@ import moespec.models.quant_layout as quant_layout
 from moespec.cli.app import app
 from moespec.config import RuntimeConfig
 from moespec.errors import OptionError
-from moespec.runtime.offload import load_offloaded
-from moespec.runtime.quant_store_cache import cache_path
+from moespec.runtime.load import load_offloaded
+from moespec.runtime.host.quant_store import cache_path
 
 
 def _load(folder, **kw):

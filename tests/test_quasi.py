@@ -7,15 +7,16 @@ import torch
 from tiny import reference_model
 
 from moespec.calibrate.data import ChunkPlan
-from moespec.calibrate.file import save_calibration
-from moespec.calibrate.locate import BESIDE_MODEL, default_calibration_path, model_key
+from moespec.artifacts import CALIBRATION_BESIDE_MODEL as BESIDE_MODEL
+from moespec.artifacts import default_calibration_path, model_key
+from moespec.predict.calibration_file import save_calibration
 from moespec.calibrate.run import CalibrateConfig, calibrate
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import CalibrationError
 from moespec.models.base import Routing
 from moespec.predict.quasi import QuasiPredictor, quasi_delta
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder, summarize
 
 
@@ -39,12 +40,11 @@ def test_quasi_delta_is_the_gate_weighted_sum_of_default_vectors():
 
 
 def test_zero_default_vectors_predict_as_the_router_predictor(tiny_models):
-    from moespec.calibrate.run import layer_refs
     from moespec.predict.base import RouterPredictor
 
     om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(predictor=Predictor.NONE))
     try:
-        refs = layer_refs(om)
+        refs = om.layer_refs()
         zero = QuasiPredictor(om.adapter, refs, {r.layer: torch.zeros(8, 32) for r in refs})
         router = RouterPredictor(om.adapter, refs)
         r = torch.randn(4, 32)
@@ -79,7 +79,7 @@ def test_chat_with_quasi_finds_the_file_and_stays_exact(tiny_models, family):
     om = load_offloaded(folder, RuntimeConfig(predictor=Predictor.QUASI, execute=ExecuteMode.EXACT, cache_experts=5),
                         StatsRecorder())
     try:
-        assert isinstance(om.runner.predictor, QuasiPredictor)
+        assert isinstance(om.policy.predictor, QuasiPredictor)
         prompt = list(range(40, 52))
         got = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=6)))
         summary = summarize(om.recorder.steps)
@@ -100,7 +100,7 @@ def test_a_file_beside_the_model_is_found(tiny_models, tmp_path):
     _write_calibration(folder, folder / BESIDE_MODEL)
     om = load_offloaded(folder, RuntimeConfig(predictor=Predictor.QUASI))
     om.close()
-    assert isinstance(om.runner.predictor, QuasiPredictor)
+    assert isinstance(om.policy.predictor, QuasiPredictor)
 
 
 def test_model_key_of_a_hub_snapshot_is_its_repo_id(tmp_path):
@@ -131,7 +131,7 @@ def test_profile_measures_quasi_with_quasi_not_router(tiny_models, tmp_path):
 
     from typer.testing import CliRunner
 
-    from moespec.calibrate.file import load_calibration
+    from moespec.predict.calibration_file import load_calibration
     from moespec.cli.app import app
 
     folder = tiny_models["qwen2_moe"]

@@ -112,7 +112,8 @@ def test_disconnect_mid_stream_stops_at_the_next_token(tiny_models):
         release.set()
         wait_until(lambda: queue.counts() == (0, 0), "the worker free again")
         assert job.tokens_at_stop == job.tokens_at_cancel  # not one more token after the cancel
-        assert not any(om.cache._pins) and om.runner.prefetch_pins == {}  # no slot stays pinned
+        pins = [om.cache.pinned(s) for s in range(om.cache.num_slots)]
+        assert not any(pins) and om.ledger.held() == {}  # no slot stays pinned
         metrics = httpx.get(srv.url + "/metrics").text
         assert "moespec_cancelled_requests_total 1.0" in metrics
         engine.generate = original

@@ -16,7 +16,7 @@ from moespec.chat.session import ChatSession
 from moespec.config import RuntimeConfig, SamplingConfig
 from moespec.errors import CheckpointError
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded
+from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moespec.models.base import ExpertLayout, Routing
-from moespec.runtime.experts import (TopkSum, decode_contribution, gated, group_by_expert, reference_moe,
+from moespec.runtime.layer.experts import (TopkSum, decode_contribution, gated, group_by_expert, reference_moe,
                                      reference_moe_eager, sum_one_token)
 
 H, I, E = 16, 8, 6
@@ -28,8 +28,8 @@ def _case(tokens: int, k: int, dtype, wdtype, seed: int = 0):
 def _runner_sum(layout, rows, x, routing, act):
     """What MoeLayerRunner computes: the one-token path for T == 1, the argsort grouping otherwise."""
     if x.shape[0] == 1:
-        return sum_one_token([decode_contribution(x, routing, k, rows[e], layout, act)[1]
-                              for k, e in enumerate(routing.ids[0].tolist())], x)
+        return sum_one_token([decode_contribution(x, routing, k, rows[e], layout, act)[0]
+                              for k, e in enumerate(routing.ids[0].tolist())], routing.weights, x)
     groups = group_by_expert(routing.ids, E)
     acc = TopkSum(x, routing.weights)
     for e in groups.experts:

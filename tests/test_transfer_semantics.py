@@ -10,6 +10,8 @@ counts are the bytes the fake copied, and the per-step stats add up to the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fake_cuda import FakeCudaBackend
@@ -18,10 +20,10 @@ from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.engine import Engine
-from moespec.runtime.offload import load_offloaded, min_slots
+from moespec.runtime.load import load_offloaded, min_slots
 from moespec.runtime.stats import StatsRecorder
 from moespec.runtime.transfer import Ticket
-from moespec.runtime.transfer_cuda import CudaTransferEngine
+from moespec.runtime.transfer.cuda import CudaTransferEngine
 
 TURNS = ([3, 14, 15, 92, 65, 35], [89, 79, 32])  # the second turn extends the first conversation
 NEW_TOKENS = 4
@@ -63,7 +65,8 @@ def _load(folder, predictor: str, mode: ExecuteMode, extra_slots: int):
                         fetch_threshold=0.3)
     om = load_offloaded(folder, cfg, StatsRecorder())
     if predictor == "shifted":
-        om.runner.predictor = ShiftedPredictor(om.runner.predictor, om.adapter.num_experts())
+        om.use_policy(dataclasses.replace(om.policy, predictor=ShiftedPredictor(om.policy.predictor,
+                                                                                om.adapter.num_experts())))
     return om
 
 
@@ -218,7 +221,7 @@ def test_link_busy_time_counts_overlapping_copies_once():
     """busy_ms is the union of copy spans: two streams copying at once are one busy link, not two."""
     from fake_cuda import FakeEvent
 
-    from moespec.runtime.transfer_cuda import busy_ms
+    from moespec.runtime.transfer.cuda import busy_ms
 
     def ev(t):
         e = FakeEvent(timing=True)

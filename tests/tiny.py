@@ -128,7 +128,7 @@ def offloaded_greedy(folder: Path, cfg, prompt: list[int], max_new_tokens: int) 
     """moespec's greedy continuation of ``prompt`` with RuntimeConfig ``cfg``: the new token ids."""
     from moespec.config import SamplingConfig
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     om = load_offloaded(folder, cfg)
     try:

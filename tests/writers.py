@@ -21,7 +21,7 @@ E, H = 4, 8
 
 
 def calibration(target: Path, mb: float = 0) -> None:
-    from moespec.calibrate.file import Calibration, save_calibration
+    from moespec.predict.calibration_file import Calibration, save_calibration
 
     m = max(1, int(mb * 2**20 / (E * H * 4)))  # default-vector rows that make the file about mb large
     calib = Calibration(layers=list(range(m)), default_vectors={"mean": torch.randn(m, E, H)}, variant="mean",
@@ -31,8 +31,8 @@ def calibration(target: Path, mb: float = 0) -> None:
 
 
 def estimator(target: Path, mb: float = 0) -> None:
-    from moespec.estimator.file import EstimatorFile, save_estimator
-    from moespec.estimator.model import EstimatorBank, EstimatorShape
+    from moespec.predict.estimator_file import EstimatorFile, save_estimator
+    from moespec.predict.estimator_net import EstimatorBank, EstimatorShape
 
     torch.manual_seed(0)
     bank = EstimatorBank(EstimatorShape(32, E, down=2, expand=2, shared=False), [0, 1])
@@ -52,7 +52,7 @@ class _Store:
 
 
 def quant_store(target: Path, mb: float = 0) -> None:
-    from moespec.runtime.quant_store_cache import QuantStoreCache
+    from moespec.runtime.host.quant_store import QuantStoreCache
 
     note = QuantStoreCache(target, {"format": 0}).save(_Store(mb))
     assert note is None, note
@@ -105,17 +105,17 @@ def _stop_forever(*args, **kwargs):
 def main(writer: str, target: str, moment: str, mb: str) -> None:
     import os
 
-    from moespec import cleanup
+    from moespec import tempfiles
 
     if moment == "locked":
-        real = cleanup.lock_fd
+        real = tempfiles.lock_fd
 
         def lock_then_stop(path):
             fd = real(path)
             _stop_forever()
             return fd
 
-        cleanup.lock_fd = lock_then_stop
+        tempfiles.lock_fd = lock_then_stop
     elif moment == "written":
         os.replace = _stop_forever  # fsutil calls os.replace(temp, target) last
     WRITERS[writer][0](Path(target), float(mb))

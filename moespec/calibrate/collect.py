@@ -2,7 +2,7 @@
 
 Shapes: M MoE layers, E experts, H hidden, T tokens, K top-k, t tokens routed to one expert.
 
-d_{l,e} (design.md) is the mean raw output of expert e at layer l (before its gate weight) over
+d_{l,e} (moespec/predict/quasi.py) is the mean raw output of expert e at layer l (before its gate weight) over
 the calibration tokens routed to e. The gate-weighted variant weighs each token's raw output by
 its gate g: sum(g * raw) / sum(g); which one predicts better is decided on held-out tokens.
 Sums are kept in float64 so the result does not depend on chunking to float32 precision.

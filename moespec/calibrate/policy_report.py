@@ -4,7 +4,7 @@ Shapes: M MoE layers, E experts, K top-k, N held-out tokens.
 
 The held-out pass records the true expert ids of every token at every MoE layer; token by token
 they form a decode-like trace that is replayed through the runtime's ExpertCache
-(runtime/cache_replay.py) on-demand, at 12.5 / 25 / 50 % of all experts, with each policy seeded
+(runtime/cache/replay.py) on-demand, at 12.5 / 25 / 50 % of all experts, with each policy seeded
 from the frequencies just measured on the calibration tokens (never from the held-out ones).
 """
 
@@ -15,8 +15,8 @@ from functools import partial
 import torch
 
 from moespec.config import CachePolicy
-from moespec.runtime.cache_policy import make_rule, seed_from_frequencies
-from moespec.runtime.cache_replay import replay
+from moespec.runtime.cache.eviction import make_rule, seed_from_frequencies
+from moespec.runtime.cache.replay import replay
 
 FRACTIONS = (0.125, 0.25, 0.5)
 MAX_TOKENS = 512  # replay cost grows with tokens x slots; 512 tokens settle the rates to ~0.01

@@ -12,34 +12,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from moespec.artifacts import model_key
 from moespec.calibrate.collect import VARIANTS, DefaultVectorCollector, DefaultVectors
 from moespec.calibrate.data import ChunkPlan
-from moespec.calibrate.file import Calibration, config_hash, finite_mean, router_fingerprint
-from moespec.calibrate.locate import model_key
 from moespec.calibrate.policy_report import held_out_trace, policy_hit_rates
-from moespec.calibrate.recall import RecallObserver
 from moespec.config import CachePolicy
-from moespec.predict.base import LayerRef, NextLayerPredictor, RouterPredictor
+from moespec.predict.base import NextLayerPredictor, RouterPredictor
+from moespec.predict.calibration_file import Calibration, config_hash, finite_mean, router_fingerprint
 from moespec.predict.quasi import QuasiPredictor
-from moespec.runtime.engine import Engine
-from moespec.runtime.offload import OffloadedModel
-
-# (stage, tokens done, tokens total) after every chunk; stage is "calibrate" or "heldout".
-Progress = Callable[[str, int, int], None]
-METRICS = ("recall", "weighted_recall", "cosine")
-
-
-class StopForward(Exception):
-    """Raised by an observer to end a prefill once it has recorded everything it needs.
-
-    ``run_chunks`` catches it: the layers after the raising one (and the LM head) do not run, which
-    is how estimator state collection skips the layers beyond its last target. Raise it only from
-    ``observer.routing`` (before the layer acquires cache slots), so no slot stays pinned.
-    """
+from moespec.predict.recall import METRICS
+from moespec.runtime.chunks import Progress, measure_recall, run_chunks
+from moespec.runtime.model import OffloadedModel
 
 
 @dataclass(frozen=True)
@@ -71,40 +57,6 @@ class CalibrationRun:
     policy_hit_rates: dict[str, list[float]] = field(default_factory=dict)  # policy -> at 12.5/25/50 %
 
 
-def layer_refs(om: OffloadedModel) -> list[LayerRef]:
-    """The MoE layers of a loaded model as predictors see them."""
-    layers = om.model.model.layers
-    return [LayerRef(layer=i, norm=layers[i].post_attention_layernorm, block=layers[i].mlp) for i in om.store.moe_layers]
-
-
-def run_chunks(om: OffloadedModel, chunks: list[list[int]], observer, stage: str,
-               progress: Progress | None = None, after_chunk=None) -> None:
-    """Run each chunk as an independent prefill with ``observer`` attached to the MoE runner.
-
-    ``after_chunk()`` (optional) is called after each chunk's forward, e.g. to flush collected rows.
-    The observer may end a forward early by raising StopForward (that step is not recorded in stats).
-    """
-    engine = Engine(om)
-    total, done = sum(len(c) for c in chunks), 0
-    om.runner.observer = observer
-    try:
-        for chunk in chunks:
-            engine.reset()
-            try:
-                engine.forward(chunk, "prefill")
-            except StopForward:
-                om.runner.reset_step()
-            if after_chunk is not None:
-                after_chunk()
-            done += len(chunk)
-            if progress is not None:
-                progress(stage, done, total)
-    finally:
-        om.runner.observer = None
-        om.runner.reset_step()
-        engine.reset()
-
-
 def collect_default_vectors(om: OffloadedModel, chunks: list[list[int]], progress: Progress | None = None) -> DefaultVectors:
     """Pass 1: default vectors (both variants) and frequencies over ``chunks``."""
     collector = DefaultVectorCollector(om.store.moe_layers, om.store.num_experts, om.store.layout.hidden, om.device)
@@ -112,28 +64,9 @@ def collect_default_vectors(om: OffloadedModel, chunks: list[list[int]], progres
     return collector.result()
 
 
-def measure_recall(om: OffloadedModel, chunks: list[list[int]], predictors: dict[str, NextLayerPredictor],
-                   progress: Progress | None = None, ids_out: dict | None = None) -> dict[str, torch.Tensor]:
-    """Pass 2: "<metric>/<predictor>" -> [M] float32 per predicted MoE layer (NaN for the first).
-
-    ``ids_out`` (optional) receives the true ids, layer -> [T, K] per chunk.
-    """
-    observer = RecallObserver(om.adapter, predictors)
-    run_chunks(om, chunks, observer, "heldout", progress)
-    if ids_out is not None:
-        ids_out.update(observer.ids)
-    layers = om.store.moe_layers
-    out = {}
-    for name, per_layer in observer.counts.items():
-        for metric in METRICS:
-            vals = [getattr(per_layer[layer], metric)() if layer in per_layer else float("nan") for layer in layers]
-            out[f"{metric}/{name}"] = torch.tensor(vals, dtype=torch.float32)
-    return out
-
-
 def calibration_predictors(om: OffloadedModel, dv: DefaultVectors) -> dict[str, NextLayerPredictor]:
     """`router` and one `quasi_<variant>` per default-vector variant, over the loaded model."""
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     out: dict[str, NextLayerPredictor] = {"router": RouterPredictor(om.adapter, refs)}
     for variant, vectors in dv.vectors.items():
         per_layer = {layer: vectors[m].to(om.device) for m, layer in enumerate(dv.layers)}  # [E, H]
@@ -175,7 +108,7 @@ def calibrate(om: OffloadedModel, plan: ChunkPlan, cfg: CalibrateConfig, data: s
     variant = choose_variant(metrics)
     for metric in METRICS:
         metrics[f"{metric}/quasi"] = metrics[f"{metric}/quasi_{variant}"].clone()
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     meta = {
         "model": model_key(om.path),
         "config_hash": config_hash(om.config),

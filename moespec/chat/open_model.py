@@ -55,7 +55,7 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
     from moespec.hub.resolve import resolve_model
     from moespec.model_check import load_tokenizer
     from moespec.runtime.engine import Engine
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
 
     if model is None:

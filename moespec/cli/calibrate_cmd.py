@@ -61,13 +61,13 @@ def calibrate(
     from pathlib import Path
 
     from moespec.calibrate.data import load_text_source, plan_chunks
-    from moespec.calibrate.file import ensure_writable, save_calibration
-    from moespec.calibrate.locate import default_calibration_path
+    from moespec.artifacts import default_calibration_path
+    from moespec.predict.calibration_file import ensure_writable, save_calibration
     from moespec.calibrate.run import CalibrateConfig
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
     from moespec.model_check import load_tokenizer
-    from moespec.runtime.offload import load_offloaded
+    from moespec.runtime.load import load_offloaded
 
     set_threads(threads)
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
@@ -172,7 +172,7 @@ def _run_with_progress(om, plan, cfg, source):
 def _render(result, plan, elapsed: float, target) -> None:
     from rich.console import Console
 
-    from moespec.calibrate.file import finite_mean
+    from moespec.predict.calibration_file import finite_mean
 
     from moespec.tables import Column, fit_tables
 

@@ -146,7 +146,7 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
         err_console.print(f"[dim]{opened.describe(cfg)}[/]", highlight=False)
         total = len(om.store.moe_layers) * om.store.num_experts
         if om.cache.num_slots >= total:
-            from moespec.runtime.offload import min_slots
+            from moespec.runtime.load import min_slots
 
             # Said once: with every expert resident the stats show no offloading, and the user should know why.
             some = max(min_slots(om.adapter.top_k(), cfg.predictor), total // 4)
@@ -266,10 +266,11 @@ def _answer(session, text: str, out) -> None:
 def _footer(session) -> str:
     """The summary line of the last answer, naming the cache policy (and, unless --on-miss fetch, the
     experts computed on the host per token)."""
+    from moespec.chat.footer import footer
     from moespec.config import OnMiss
 
     om = session.engine.om
-    return session.last.summary.footer(policy=om.cache.policy.value, host=om.runner.on_miss != OnMiss.FETCH)
+    return footer(session.last.summary, policy=om.cache.policy.value, host=om.policy.on_miss != OnMiss.FETCH)
 
 
 def _recover(session, pieces) -> None:

@@ -73,11 +73,11 @@ def train_estimator(
     from pathlib import Path
 
     from moespec.calibrate.data import load_text_source
-    from moespec.calibrate.file import ensure_writable
+    from moespec.predict.calibration_file import ensure_writable
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
     from moespec.estimator.collect import read_manifest
-    from moespec.estimator.file import default_estimator_path
+    from moespec.artifacts import default_estimator_path
     from moespec.estimator.hybrid import HybridConfig
     from moespec.estimator.run import EstimatorConfig
     from moespec.estimator.train import TrainConfig
@@ -96,7 +96,7 @@ def train_estimator(
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     if calibration:  # a missing --calibration file: said before the model loads
-        from moespec.calibrate.locate import find_calibration
+        from moespec.artifacts import find_calibration
 
         find_calibration(path, calibration)
     target = ensure_writable(Path(out) if out else default_estimator_path(path))
@@ -115,9 +115,9 @@ def _train(path, rcfg, cfg, calibration, plan, folder, reuse_states: bool, sourc
     """Load the model, collect (or reuse) the states, train, write the file and show the result."""
     import time
 
-    from moespec.estimator.file import save_estimator
     from moespec.estimator.run import find_model_calibration, fit, input_kind, prepare_states
-    from moespec.runtime.offload import load_offloaded
+    from moespec.predict.estimator_file import save_estimator
+    from moespec.runtime.load import load_offloaded
 
     om = load_offloaded(path, rcfg)
     try:
@@ -184,8 +184,7 @@ def _resolve(model: Optional[str]):
 
 
 def _default_states_dir(path):
-    from moespec.calibrate.locate import model_key
-    from moespec.hub.artifacts import sanitize_model_id
+    from moespec.artifacts import model_key, sanitize_model_id
     from moespec.paths import moespec_home
 
     return moespec_home() / "estimator-states" / sanitize_model_id(model_key(path))

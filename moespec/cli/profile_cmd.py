@@ -201,17 +201,19 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
     from moespec.profile.report import build_report, describe
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.trace import check_lengths
-    from moespec.runtime.offload import load_offloaded, make_predictor
+    from moespec.predict.factory import make_predictor
+    from moespec.runtime.load import load_offloaded
 
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om = load_offloaded(path, cfg)
     try:
         check_lengths(list(prompt_lens), gen, om.max_context())
-        refs = list(om.runner.predictor.refs.values())
+        refs = om.layer_refs()
         if any(s.on_miss != OnMiss.FETCH for s in chosen):
-            om.set_on_miss(OnMiss.AUTO)  # starts the host pool and benchmarks the costs, once, before any run
-            om.set_on_miss(OnMiss.FETCH)
+            loaded = om.policy  # starts the host pool and benchmarks the costs, once, before any run
+            om.use_policy(dataclasses.replace(loaded, on_miss=OnMiss.AUTO))
+            om.use_policy(dataclasses.replace(loaded, on_miss=OnMiss.FETCH))
         made = {}
         for p in dict.fromkeys(s.predictor for s in chosen):
             if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
@@ -233,7 +235,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
                              decode_inputs=forced)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
-        host_threads_used = om.runner.host.pool.threads if om.runner.host is not None else None
+        host_threads_used = om.planner.pool.threads if om.planner is not None else None
         options = {"strategies": [s.name for s in chosen], "host_threads": host_threads_used,
                    "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value,
@@ -254,10 +256,10 @@ def _policy_hit_rates(om, path, calibration, prof) -> dict:
     """prompt length (str) -> policy -> hit rates of the exact trace replayed on-demand (profile/policies.py)."""
     from moespec.errors import CalibrationError
     from moespec.profile.policies import policy_hit_rates
-    from moespec.runtime.cache_policy import load_seed
+    from moespec.runtime.cache.eviction import load_seed
 
     k = om.adapter.top_k()
-    refs = list(om.runner.predictor.refs.values())
+    refs = om.layer_refs()
     try:  # only this model's frequencies (a stale file: no seeded replays)
         seed = load_seed(path, calibration, k, om.config, [r.layer for r in refs], [r.block.gate.weight for r in refs])
     except CalibrationError:

@@ -133,8 +133,7 @@ def check_predictor_files(model: Optional[str], cfg: RuntimeConfig, predictors: 
             estimator file; the message names the path (with ~ for home) and the command that writes it.
         ModelNotFoundError, CheckpointError: MODEL cannot be resolved.
     """
-    from moespec.calibrate.locate import find_calibration
-    from moespec.estimator.locate import find_estimator
+    from moespec.artifacts import find_calibration, find_estimator
     from moespec.hub.resolve import resolve_model
     from moespec.paths import DEFAULT_MODEL_FOLDER, models_dir
 

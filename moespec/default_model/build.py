@@ -169,7 +169,8 @@ def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
                   f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
-    from moespec.cleanup import size_of, sweep_build_temps
+    from moespec.cleanup import sweep_build_temps
+    from moespec.tempfiles import size_of
     from moespec.fsutil import check_free_space
 
     try:

@@ -34,15 +34,14 @@ import torch
 
 from moespec.errors import DataError
 from moespec.predict.base import NextLayerPredictor
+from moespec.predict.recall import RecallObserver
+from moespec.runtime.chunks import Progress, StopForward, run_chunks
 
 SHARD_BYTES = 256 * 2**20  # state bytes per shard (bf16); a shard is loaded whole while training
 MANIFEST = "manifest.json"
 VECTORS = "vectors.safetensors"
 FORMAT = "moespec.estimator-states"
 FORMAT_VERSION = 1
-
-# (stage, tokens done, tokens total) after every chunk; stage is "collect" or "heldout".
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -207,8 +206,6 @@ class StateCollector:
             r = residual.reshape(-1, residual.shape[-1])  # [T, H]
             self._rows[f"state/{layer}"] = nxt.norm(self.predictor.signal(layer, r, routing)).to(torch.bfloat16)
         if layer == self.last_target:
-            from moespec.calibrate.run import StopForward
-
             raise StopForward  # every row of this forward is recorded: skip the layers after it
 
     def expert_output(self, layer: int, expert: int, token_idx: torch.Tensor, raw_output: torch.Tensor) -> None:
@@ -242,8 +239,6 @@ class _Tee:
 def run_collection(om, chunks: list[list[int]], observer, collector: StateCollector, stage: str,
                    progress: Progress | None = None) -> None:
     """Each chunk as an independent prefill with ``observer`` attached; rows handed over per chunk."""
-    from moespec.calibrate.run import run_chunks
-
     run_chunks(om, chunks, observer, stage, progress, after_chunk=collector.end_chunk)
 
 
@@ -270,7 +265,7 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         truncate: end each training forward at the last target layer's router (the fast path);
             False runs every layer (the slow reference). Both write the same rows.
     """
-    from moespec.cleanup import lock_fd
+    from moespec.tempfiles import lock_fd
     from moespec.fsutil import check_free_space
 
     folder = Path(folder)
@@ -295,7 +290,6 @@ def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayer
              truncate: bool) -> StatesManifest:
     from safetensors.torch import save_file
 
-    from moespec.calibrate.recall import RecallObserver
     from moespec.fsutil import atomic_path, atomic_write_text
     from moespec.integrity import digest_metadata
 

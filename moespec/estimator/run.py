@@ -7,7 +7,7 @@ Shapes: M MoE layers, S served layers, E experts, H hidden, K top-k.
 2. States: text runs through the model in exact mode; the estimator inputs and the true next-layer
    routing go to shards on disk (collect.py), or earlier shards are reused.
 3. Training (train.py), then every predictor's cost per decode token is measured on the device and
-   the hybrid choice is made per layer (hybrid.py); the result is an EstimatorFile (file.py).
+   the hybrid choice is made per layer (hybrid.py); the result is an EstimatorFile (moespec.predict.estimator_file).
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ from typing import Callable
 
 import torch
 
-from moespec.errors import DataError, OptionError
+from moespec.artifacts import find_calibration, model_key
+from moespec.errors import CalibrationError, DataError, OptionError
 from moespec.estimator.collect import (StatesManifest, collect_states, read_manifest, read_vectors,
                                        vectors_digest)
-from moespec.estimator.file import EstimatorFile
 from moespec.estimator.hybrid import HybridConfig, LayerChoice, choose, predictor_costs
-from moespec.estimator.model import EstimatorBank, EstimatorShape
 from moespec.estimator.train import TrainConfig, TrainProgress, TrainResult, train_bank
 from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor, RouterPredictor
+from moespec.predict.calibration_file import config_hash, load_checked, router_fingerprint
+from moespec.predict.estimator import EstimatorPredictor
+from moespec.predict.estimator_file import EstimatorFile
+from moespec.predict.estimator_net import EstimatorBank, EstimatorShape
+from moespec.predict.quasi import QuasiPredictor
+from moespec.runtime.chunks import measure_recall
 
 
 @dataclass(frozen=True)
@@ -72,37 +77,25 @@ class Outcome:
     manifest: StatesManifest
 
 
-def layer_refs(om):
-    from moespec.calibrate.run import layer_refs as refs
-
-    return refs(om)
-
-
 def find_model_calibration(om, explicit: str | None):
     """The model's calibration (checked against it), or None when it has none.
 
     Raises:
         CalibrationError: an explicit file is missing, or the file is corrupt or another model's.
     """
-    from moespec.calibrate.file import load_checked
-    from moespec.calibrate.locate import find_calibration
-    from moespec.errors import CalibrationError
-
     try:
         path = find_calibration(om.path, explicit)
     except CalibrationError:
         if explicit is not None:
             raise
         return None
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     return load_checked(path, om.config, [r.layer for r in refs], [r.block.gate.weight for r in refs], om.path)
 
 
 def free_predictors(om, calib) -> dict[str, NextLayerPredictor]:
     """"router", and "quasi" when the model is calibrated."""
-    from moespec.predict.quasi import QuasiPredictor
-
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     out: dict[str, NextLayerPredictor] = {"router": RouterPredictor(om.adapter, refs)}
     if calib is not None:
         out["quasi"] = QuasiPredictor(om.adapter, refs, {layer: calib.vectors[m].to(om.device)
@@ -163,15 +156,13 @@ def auto_layers(om, calib, heldout: list[list[int]], cfg: EstimatorConfig,
             best[layer] = max(vals) if vals else 0.0
         source = "calibration file"
     else:
-        from moespec.calibrate.run import measure_recall
-
         chunks, n = [], 0
         for c in heldout:
             if n >= 8192:
                 break
             chunks.append(c)
             n += len(c)
-        metrics = measure_recall(om, chunks, {"router": RouterPredictor(om.adapter, layer_refs(om))}, progress)
+        metrics = measure_recall(om, chunks, {"router": RouterPredictor(om.adapter, om.layer_refs())}, progress)
         pos = {layer: m for m, layer in enumerate(om.store.moe_layers)}
         best = {layer: float(metrics["recall/router"][pos[nxt[layer]]]) for layer in valid}
         source = f"router recall on {n} held-out tokens"
@@ -189,10 +180,7 @@ def prepare_states(om, plan, layers: list[int], kind: str, calib, folder: Path, 
     Raises:
         DataError: ``reuse`` and the folder holds states of another model, layers or input.
     """
-    from moespec.calibrate.file import config_hash, router_fingerprint
-    from moespec.calibrate.locate import model_key
-
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     predictors = free_predictors(om, calib)
     vectors = None
     if kind == "quasi":
@@ -226,7 +214,7 @@ def fit(om, folder: Path, manifest: StatesManifest, cfg: EstimatorConfig, calib,
     import moespec
 
     layers = manifest.layers
-    refs = {r.layer: r for r in layer_refs(om)}
+    refs = {r.layer: r for r in om.layer_refs()}
     torch.manual_seed(cfg.seed)
     shape = EstimatorShape(hidden=manifest.hidden, experts=manifest.experts, down=cfg.down, expand=cfg.expand,
                            shared=cfg.shared)
@@ -278,9 +266,7 @@ def fit(om, folder: Path, manifest: StatesManifest, cfg: EstimatorConfig, calib,
 def measure_costs(om, bank: EstimatorBank, vectors: torch.Tensor | None, layers: list[int], calib,
                   repeats: int = 50) -> dict[int, dict[str, float]]:
     """Served layer -> predictor name -> ms per decode token, measured on the model's device and dtype."""
-    from moespec.predict.estimator import EstimatorPredictor
-
-    refs = layer_refs(om)
+    refs = om.layer_refs()
     run_bank = copy.deepcopy(bank).to(device=om.device, dtype=om.dtype)
     inputs = None if vectors is None else {layer: vectors[i].to(om.device) for i, layer in enumerate(layers)}
     predictors = dict(free_predictors(om, calib))

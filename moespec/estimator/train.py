@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from moespec.estimator.collect import StatesManifest, load_shard
-from moespec.estimator.model import EstimatorBank
+from moespec.predict.estimator_net import EstimatorBank
 
 # Served layer l, logits [T, E] -> predicted expert ids [T, K] by the next layer's routing rule.
 Select = Callable[[int, torch.Tensor], torch.Tensor]

@@ -13,8 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from moespec.calibrate.locate import calibration_candidates
-from moespec.estimator.locate import estimator_candidates
+from moespec.artifacts import calibration_candidates, estimator_candidates
 from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
 from moespec.hub.support import SUPPORTED_MODEL_TYPES
@@ -37,7 +36,7 @@ class LocalModel:
         sizes: config-derived size breakdown; None when the model_type has no size rule.
         status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
             (no safetensors weights or missing shards, e.g. an interrupted download).
-        has_calibration / has_estimator: the artifact files exist (moespec.hub.artifacts).
+        has_calibration / has_estimator: the derived files exist (moespec.artifacts).
         partial_bytes: bytes of unfinished downloads of this repo (``blobs/*.incomplete``), counted
             in ``disk_bytes`` too; the next `moespec download` resumes them.
     """

@@ -42,7 +42,7 @@ def lock_path(repo_id: str, etag: str) -> Path:
 
 def partial_part(repo_id: str, etag: str, size: int) -> Path | None:
     """The largest leftover part of blob ``etag`` shorter than ``size`` bytes that no download holds, or None."""
-    from moespec.cleanup import download_lock_free
+    from moespec.tempfiles import download_lock_free
 
     folder = blobs_dir(repo_id)
     if not folder.is_dir() or not download_lock_free(lock_path(repo_id, etag)):
@@ -130,7 +130,7 @@ def drop_finished_parts(repo_id: str, etags: dict[str, str]) -> int:
     A part too short to resume (nothing reached the disk) or of a file fetched whole since is of no
     further use; huggingface_hub never removes it.
     """
-    from moespec.cleanup import download_lock_free
+    from moespec.tempfiles import download_lock_free
 
     folder, freed = blobs_dir(repo_id), 0
     for etag in set(etags.values()):

@@ -28,9 +28,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from moespec.errors import OptionError, UnsupportedModelError
+from moespec.units import format_bytes, format_bytes_short  # noqa: F401  (their home before moespec.units)
 
 # Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
-# refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host_memory).
+# refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host.memory).
 HOST_HEADROOM_BYTES = 512 * 2**20
 
 QUANT_BITS = {"int8": 8, "int4": 4}  # --expert-dtype values quantised at load
@@ -301,26 +302,6 @@ def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto", group_siz
         return ModelSizes(model_type, dtype, bpp, params, expert_dtype, group_size or DEFAULT_GROUP_SIZE)
     mxfp4 = expert_dtype == "auto" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
     return ModelSizes(model_type, dtype, bpp, params, "mxfp4" if mxfp4 else dtype)
-
-
-def _decimal_bytes(n: int, below: float, fmt: str) -> str:
-    """``n`` bytes in the largest decimal unit that keeps the value under ``below``, as ``fmt``."""
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < below or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:{fmt}} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_bytes(n: int) -> str:
-    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
-    return _decimal_bytes(n, 1000, ".2f")
-
-
-def format_bytes_short(n: int) -> str:
-    """``n`` bytes with 3 significant digits, for narrow table columns: ``702 MB``, ``66.4 MB``, ``6.14 kB``."""
-    return _decimal_bytes(n, 999.5, ".3g")  # 999.5 rounds to 1e3 at 3 digits: the next unit instead
 
 
 def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moespec.errors import OptionError
-from moespec.models.layout import ExpertLayout
+from moespec.models.layout import ExpertKey, ExpertLayout
 from moespec.models.quant import DEFAULT_GROUP_SIZE, ExpertQuant
+from moespec.models.quant_layout import QuantLayout
 
 # Parts of an expert as stored on disk. "gate_up"/"down" with expert None are fused [E, ...] tensors;
 # families with other parts (biases, MXFP4 blocks/scales) name them in their layout.
@@ -40,21 +41,6 @@ class Routing:
     ids: torch.Tensor
     weights: torch.Tensor
     logits: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class ExpertKey:
-    """Where a checkpoint tensor belongs in the expert store.
-
-    Attributes:
-        layer: decoder layer index.
-        expert: expert id, or None for a fused [E, ...] tensor.
-        part: one of PARTS, or a part the family's layout names.
-    """
-
-    layer: int
-    expert: int | None
-    part: str
 
 
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -135,8 +121,6 @@ class MoeAdapter:
         quant = expert_quant(expert_dtype, dtype, group_size)
         if quant is None:
             return ExpertLayout(**shape)
-        from moespec.models.quant_layout import QuantLayout
-
         return QuantLayout(**shape, bits=quant.bits, group_size=group_size or DEFAULT_GROUP_SIZE)
 
     def expert_converter(self, layout: ExpertLayout):
@@ -145,8 +129,6 @@ class MoeAdapter:
         The default passes every tensor through, or quantises it for a QuantLayout (int8/int4);
         GPT-OSS pairs MXFP4 blocks with scales and dequantises them when the layout is dense.
         """
-        from moespec.models.quant_layout import QuantLayout
-
         if isinstance(layout, QuantLayout):
             return layout.converter()
         return lambda key, tensor, name: [(key, tensor, name)]

@@ -19,9 +19,9 @@ from torch import nn
 
 from moespec.errors import CheckpointError, OptionError
 from moespec.models import mxfp4
-from moespec.models.base import ExpertKey, MoeAdapter, Routing, expert_quant
+from moespec.models.base import MoeAdapter, Routing, expert_quant
 from moespec.models.gpt_oss_experts import GptOssLayout, GptOssMxfp4Layout
-from moespec.models.layout import ExpertLayout
+from moespec.models.layout import ExpertKey, ExpertLayout
 from moespec.models.quant import ExpertQuant
 
 _EXPERT_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias|_blocks|_scales)?")

@@ -19,6 +19,22 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class ExpertKey:
+    """Where a checkpoint tensor belongs in the expert store.
+
+    Attributes:
+        layer: decoder layer index.
+        expert: expert id, or None for a fused [E, ...] tensor.
+        part: a part the layout places (``ExpertLayout.disk_view``: "gate", "up", "down", "gate_up",
+            or a family's own parts such as MXFP4 blocks/scales or quantised codes).
+    """
+
+    layer: int
+    expert: int | None
+    part: str
+
+
+@dataclass(frozen=True)
 class ExpertLayout:
     """SwiGLU expert [gate_up (2I*H) | down (H*I)] in the model dtype (Mixtral, Qwen, OLMoE, DeepSeek, GLM).
 

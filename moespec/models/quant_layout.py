@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moespec.errors import CheckpointError
-from moespec.models.layout import ExpertLayout
+from moespec.models.layout import ExpertKey, ExpertLayout
 from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize,
                                   dequantize_reference, quantize)
 
@@ -148,8 +148,6 @@ class QuantLayout(ExpertLayout):
         Raises:
             CheckpointError: a tensor whose shape does not match the config (names both shapes).
         """
-        from moespec.models.base import ExpertKey
-
         h, i = self.hidden, self.intermediate
 
         def emit(layer: int, expert: int, proj: str, w: torch.Tensor, name: str):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from moespec.estimator.model import EstimatorBank
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import LayerRef, RouterPredictor
+from moespec.predict.estimator_net import EstimatorBank
 from moespec.predict.quasi import quasi_delta
 
 

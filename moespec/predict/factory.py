@@ -1,35 +1,37 @@
-"""Predictors that need a file made offline: `quasi` (calibration), `estimator` and `hybrid`.
+"""The predictor named by ``--predictor``; the ones that need a file made offline: `quasi`
+(calibration), `estimator` and `hybrid`.
 
-``moespec.runtime.offload.make_predictor`` calls :func:`make_calibrated_predictor` for these
-kinds. Each kind has one builder in ``BUILDERS``.
+:func:`make_predictor` makes every kind but `oracle` (profile builds it from a recorded trace);
+the file-based kinds have one builder each in ``BUILDERS``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+import torch
+
+from moespec.artifacts import find_calibration, find_estimator, model_key
 from moespec.config import Predictor, RuntimeConfig
 from moespec.errors import CalibrationError, OptionError
 from moespec.models.base import MoeAdapter
-from moespec.predict.base import LayerRef, NextLayerPredictor
-
-if TYPE_CHECKING:
-    import torch
+from moespec.predict.base import LayerRef, NextLayerPredictor, NoPredictor, RouterPredictor
+from moespec.predict.calibration_file import load_checked, router_fingerprint
+from moespec.predict.estimator import EstimatorPredictor
+from moespec.predict.estimator_file import check_matches, load_estimator
+from moespec.predict.quasi import QuasiPredictor
 
 Builder = Callable[[MoeAdapter, list[LayerRef], RuntimeConfig, Path], NextLayerPredictor]
 
 
 def _calibration_vectors(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
-                         model_path: Path) -> dict[int, "torch.Tensor"]:
+                         model_path: Path) -> dict[int, torch.Tensor]:
     """Decoder layer -> calibrated default vectors [E, H] (float32, on the routers' device).
 
     Raises:
         CalibrationError: no file (names `moespec calibrate MODEL`), corrupt, or made for another model.
     """
-    from moespec.calibrate.file import load_checked
-    from moespec.calibrate.locate import find_calibration
-
     path = find_calibration(model_path, cfg.calibration_path)
     layers = [r.layer for r in refs]
     calib = load_checked(path, adapter.config, layers, [r.block.gate.weight for r in refs], model_path)
@@ -43,8 +45,6 @@ def build_quasi(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, m
     Raises:
         CalibrationError: no file (names `moespec calibrate MODEL`), corrupt, or made for another model.
     """
-    from moespec.predict.quasi import QuasiPredictor
-
     return QuasiPredictor(adapter, refs, _calibration_vectors(adapter, refs, cfg, model_path))
 
 
@@ -73,11 +73,6 @@ def build_hybrid(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, 
 
 def _estimator_predictor(adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig, model_path: Path,
                          hybrid: bool) -> NextLayerPredictor:
-    from moespec.calibrate.file import router_fingerprint
-    from moespec.calibrate.locate import model_key
-    from moespec.estimator.file import check_matches, find_estimator, load_estimator
-    from moespec.predict.estimator import EstimatorPredictor
-
     flag = "--estimator" if cfg.estimator_path is not None else None  # an explicit file wins over the default one
     path = find_estimator(model_path, cfg.estimator_path)
     ef = load_estimator(path, flag)
@@ -99,8 +94,6 @@ def _estimator_predictor(adapter: MoeAdapter, refs: list[LayerRef], cfg: Runtime
 
 
 def _has_calibration(cfg: RuntimeConfig, model_path: Path) -> bool:
-    from moespec.calibrate.locate import find_calibration
-
     try:
         find_calibration(model_path, cfg.calibration_path)
     except CalibrationError:
@@ -129,3 +122,18 @@ def make_calibrated_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[L
         raise OptionError(f"--predictor {kind.value} is not made from a calibration file",
                           "use --predictor none, router, quasi, estimator or hybrid")
     return builder(adapter, refs, cfg, Path(model_path))
+
+
+def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
+                   model_path: Path) -> NextLayerPredictor:
+    """The predictor named by ``--predictor`` over the MoE layers ``refs``.
+
+    Raises:
+        CalibrationError: a file-based predictor whose file is missing, corrupt or another model's.
+        OptionError: `oracle` (profile builds it from a recorded trace).
+    """
+    if kind == Predictor.NONE:
+        return NoPredictor(adapter, refs)
+    if kind == Predictor.ROUTER:
+        return RouterPredictor(adapter, refs)
+    return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)

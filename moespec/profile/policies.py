@@ -1,7 +1,7 @@
 """Hit rate of every cache policy on the profile's own routing trace (replayed, no bytes moved).
 
 Each prompt length's `exact` run recorded the routing of every decode step; it is replayed
-through the runtime's ExpertCache (runtime/cache_replay.py) at the profile's cache size, from an
+through the runtime's ExpertCache (runtime/cache/replay.py) at the profile's cache size, from an
 empty cache, on-demand (no prediction), once per policy. Seeded policies (lfu, lfru, static)
 appear only when the model has a calibration file. Per layer and in total.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from functools import partial
 
 from moespec.config import CachePolicy
-from moespec.runtime.cache_policy import make_rule
-from moespec.runtime.cache_replay import replay
+from moespec.runtime.cache.eviction import make_rule
+from moespec.runtime.cache.replay import replay
 
 
 def policy_hit_rates(routings: list[dict], num_slots: int, top_k: int, seed: dict | None) -> dict:

@@ -9,12 +9,12 @@ only after the device was synchronised (the recorder does it at the end of each 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from moespec.config import ExecuteMode, OnMiss, Predictor
+from moespec.config import ExecuteMode, Predictor
 from moespec.predict.base import NextLayerPredictor
 from moespec.predict.oracle import OraclePredictor
 from moespec.profile.bounds import StepBounds, step_bounds
@@ -22,6 +22,7 @@ from moespec.profile.probes import CopyLog, LayerTimer, installed
 from moespec.profile.strategy import Strategy
 from moespec.profile.trace import (DecodeInputs, TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
                                    token_sha256)
+from moespec.runtime.engine import Engine
 from moespec.runtime.stats import LayerStats, StatsRecorder
 from moespec.runtime.transfer import Span
 
@@ -203,10 +204,10 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
          timeline_step: int | None) -> tuple[RunRecord, Timeline | None]:
     strategy = arm.name
     rec = _SpanKeepingRecorder(synchronize=log.synchronize)
-    cold_start(om, engine, predictor, arm.execute or cfg.execute)
-    om.set_on_miss(arm.on_miss)
-    if arm.threshold is not None:
-        om.runner.fetch_threshold = arm.threshold
+    # An arm without its own τ keeps the one in force (the loaded --fetch-threshold, or the last arm's).
+    threshold = om.policy.fetch_threshold if arm.threshold is None else arm.threshold
+    cold_start(om, engine, replace(om.policy, predictor=predictor, execute=arm.execute or cfg.execute,
+                                   on_miss=arm.on_miss, fetch_threshold=threshold))
     om.set_recorder(rec)
     expert_bytes = om.store.expert_bytes
     engine.forward(trace.prompt, "prefill")
@@ -248,16 +249,14 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
     Raises:
         DataError, PromptError: unreadable --data, prompt beyond the context.
     """
-    from moespec.runtime.engine import Engine
-
     engine = Engine(om)
     link = measure_link(om)
     progress(f"link: {link.gbps:.3g} GB/s measured ({link.copies} copies of {link.bytes_per_copy / 1e6:.2f} MB)")
     text, source = load_text(cfg.data)
-    refs = list(om.runner.predictor.refs.values())
+    refs = om.layer_refs()
     arms = cfg.strategies
     traces, runs, timelines = {}, [], []
-    saved = (om.runner.predictor, om.runner.execute, om.recorder, om.runner.on_miss, om.runner.fetch_threshold)
+    saved_policy, saved_recorder = om.policy, om.recorder
     with installed(om) as (timer, log):
         try:
             for plen in cfg.prompt_lens:
@@ -269,7 +268,6 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
                 else:
                     prompt = prompt_tokens(tokenizer, text, plen, vocab, cfg.seed)
                 progress(f"prompt {plen}: exact run (records the trace)")
-                om.set_on_miss(OnMiss.FETCH)  # the trace is the plain exact run
                 trace = record_trace(om, engine, prompt, cfg.gen, source, forced)
                 traces[plen] = trace
                 preds = dict(predictors)
@@ -290,9 +288,7 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
                         if tl is not None:
                             timelines.append(tl)
         finally:
-            om.runner.reset_step()
-            om.runner.predictor, om.runner.execute = saved[0], saved[1]
-            om.set_recorder(saved[2])
-            om.set_on_miss(saved[3])
-            om.runner.fetch_threshold = saved[4]
+            om.reset_step()
+            om.use_policy(saved_policy)
+            om.set_recorder(saved_recorder)
     return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines)

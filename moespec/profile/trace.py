@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from moespec.config import ExecuteMode
+from moespec.config import ExecuteMode, OnMiss
 from moespec.errors import DataError, PromptError
 from moespec.models.base import Routing
-from moespec.predict.base import NextLayerPredictor, NoPredictor
+from moespec.predict.base import NoPredictor
+from moespec.runtime.layer.policy import LayerPolicy
+from moespec.runtime.stats import NullRecorder
 
 # Used only when neither --data nor moespec's shipped text is available.
 BUILTIN_TEXT = (
@@ -130,12 +132,11 @@ def check_lengths(prompt_lens: list[int], gen: int, max_context: int) -> None:
                               f"use --prompt-len {max(1, max_context - gen - 1)} or less")
 
 
-def cold_start(om, engine, predictor: NextLayerPredictor, execute: ExecuteMode) -> None:
-    """Same start for every run: empty KV cache, no prefetch pins, empty expert cache."""
+def cold_start(om, engine, policy: LayerPolicy) -> None:
+    """Same start for every run: empty KV cache, no prefetch pins, empty expert cache; then ``policy``."""
     engine.reset()
-    om.runner.reset_step()
-    om.runner.predictor = predictor
-    om.runner.execute = execute
+    om.reset_step()
+    om.use_policy(policy)
     om.cache.clear()
 
 
@@ -146,25 +147,22 @@ def record_trace(om, engine, prompt: list[int], gen: int, source: str,
     ``forced``: gen + 1 text token ids after the prompt: step i is fed ``forced[i]`` and scored on
     ``forced[i + 1]``; None decodes greedily (each step scored on the exact run's next greedy token).
     """
-    from moespec.runtime.stats import NullRecorder
-
-    refs = list(om.runner.predictor.refs.values())
-    cold_start(om, engine, NoPredictor(om.adapter, refs), ExecuteMode.EXACT)
+    cold_start(om, engine, replace(om.policy, predictor=NoPredictor(om.adapter, om.layer_refs()),
+                                   execute=ExecuteMode.EXACT, on_miss=OnMiss.FETCH))
     saved_recorder = om.recorder
     om.set_recorder(NullRecorder())
-    om.runner.record_routing = True
     decode, logits, routings = [], [], []
     try:
-        last = engine.forward(prompt, "prefill")  # [V]
-        for i in range(gen):
-            tok = int(torch.argmax(last)) if forced is None else forced[i]
-            decode.append(tok)
-            last = engine.forward([tok], "decode")
-            logits.append(last.cpu())
-            routings.append({layer: Routing(ids=r.ids.clone(), weights=r.weights.clone())
-                             for layer, r in om.runner.routings.items()})
+        with om.recording_routings() as ran:
+            last = engine.forward(prompt, "prefill")  # [V]
+            for i in range(gen):
+                tok = int(torch.argmax(last)) if forced is None else forced[i]
+                decode.append(tok)
+                last = engine.forward([tok], "decode")
+                logits.append(last.cpu())
+                routings.append({layer: Routing(ids=r.ids.clone(), weights=r.weights.clone())
+                                 for layer, r in ran.items()})
     finally:
-        om.runner.record_routing = False
         om.set_recorder(saved_recorder)
     stacked = torch.stack(logits)  # [N, V]
     targets = list(forced[1 : gen + 1]) if forced is not None else torch.argmax(stacked, dim=-1).tolist()

@@ -23,7 +23,7 @@ import torch
 from moespec.config import SamplingConfig
 from moespec.errors import PromptError
 from moespec.runtime import kv as kvcache
-from moespec.runtime.offload import OffloadedModel
+from moespec.runtime.model import OffloadedModel
 
 
 def sample_next(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -122,7 +122,7 @@ class Engine:
         if self._kv is None:
             self._kv = DynamicCache(config=om.config)
             kvcache.record_past(self._kv)  # sliding-window layers stay cuttable (kv.py)
-        om.runner.reset_step()
+        om.reset_step()
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
@@ -139,11 +139,11 @@ class Engine:
     def abort(self) -> None:
         """Make the runtime consistent after an interrupted forward or generation (Ctrl-C).
 
-        Cancels queued expert copies, drops every cache pin (MoeLayerRunner.abort) and cuts the KV
+        Cancels queued expert copies, drops every cache pin (OffloadedModel.abort) and cuts the KV
         cache back to the tokens whose forward finished (or drops it when a layer cannot be cut).
         Idempotent, and harmless between forwards: a second Ctrl-C may call it again.
         """
-        self.om.runner.abort()
+        self.om.abort()
         if self._kv is not None and not kvcache.truncate(self._kv, len(self._ids)):
             self.reset()  # some layer cannot be cut back: the next prefill starts from scratch
 

@@ -164,7 +164,7 @@ class ModelBackend:
         finally:
             tokens.close()
             job.tokens_at_stop = job.tokens
-            om.runner.drop_prefetches()
+            om.drop_prefetches()
         if finish != FinishReason.CANCELLED and not matched:
             with self._tok_lock:
                 tail = decoder.flush()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from moespec.runtime.cache import ExpertCache
+from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.stats import LayerStats
 from moespec.serve.backend import FinishReason, Outcome
 from moespec.serve.queue import Job

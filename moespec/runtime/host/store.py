@@ -15,7 +15,7 @@ import torch
 
 from moespec.errors import CheckpointError
 from moespec.models.base import ExpertLayout
-from moespec.runtime.host_memory import PinnedBuffer
+from moespec.runtime.host.memory import PinnedBuffer
 
 
 class ExpertStore:

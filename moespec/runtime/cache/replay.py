@@ -2,24 +2,28 @@
 
 Shapes: K top-k; a trace is, per decode step, decoder layer -> the K expert ids it ran.
 
-The cache, its areas and its eviction rule are the runtime's own (cache.py); only the store and
-the transfer engine are stand-ins (a 1-element row per expert, copies that land at once), so a
-replay costs microseconds per expert and gives exactly the hits, misses and copies the runtime's
-cache would see for the same sequence of uses. The order inside a step follows moe_layer.py:
-unused prefetch pins of layer l are released, l's experts are acquired (resident ones first, all
-pinned), l+1's prediction is prefetched (resident ones first), then l's experts are released.
+The cache, its eviction rule and the layer protocol are the runtime's own: each layer settles its
+prefetch pins (ledger.py), streams its experts (stream.py: resident ones first, the
+next layer's prediction issued once its demand copies are queued), exactly as the layer runner does
+(runtime/layer/runner.py). Only the store and the transfer engine are stand-ins (a 1-element row per
+expert, copies that land at once), so a replay costs microseconds per expert and gives exactly the
+hits, misses and copies the runtime's cache would see for the same sequence of uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
 
-from moespec.runtime.cache import ExpertCache
-from moespec.runtime.cache_policy import EvictionRule
-from moespec.runtime.transfer import Span, Ticket, TransferEngine
+from moespec.runtime.cache.eviction import EvictionRule
+from moespec.runtime.cache.ledger import PrefetchLedger
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.cache.stream import stream
+from moespec.runtime.stats import LayerStats, NullRecorder
+from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 Trace = list[dict[int, list[int]]]  # per step: layer -> expert ids that ran
 
@@ -95,49 +99,31 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
         prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), NullEngine(), rule, prefetch_slots)
-    out = ReplayResult()
-    pins: dict[int, list[int]] = {}
+    ledger = PrefetchLedger(cache)
+    recorder = NullRecorder()
+    stats: dict[int, LayerStats] = {}
+    dropped = 0
     for s, step in enumerate(trace):
         layers = list(step)
         for i, layer in enumerate(layers):
             ids = step[layer]
-            kept = []
-            for slot in pins.pop(layer, []):
-                key = cache.key_of(slot)
-                if key is not None and key[1] in ids:
-                    kept.append(slot)
-                    continue
-                out.wasted += cache.unused_prefetch(slot)
-                cache.release(slot)
-            held = []
-            for e in cache.resident_first(layer, ids):
-                got = cache.acquire((layer, e))
-                if got is None:
-                    raise ValueError(f"replay: {num_slots} slots cannot hold layer {layer}'s experts")
-                held.append(got.slot)
-                if got.hit:
-                    out.hits[layer] = out.hits.get(layer, 0) + 1
-                else:
-                    out.misses[layer] = out.misses.get(layer, 0) + 1
-            for slot in kept:  # now pinned by acquire as well
-                cache.release(slot)
+            here = stats.setdefault(layer, LayerStats())
+            kept = ledger.settle(layer, ids, here)
+            queued = None
             if predictions is not None and i + 1 < len(layers):
                 nxt = layers[i + 1]
-                got_pins = []
-                for e in cache.resident_first(nxt, sorted(set(predictions[s].get(nxt, [])))):
-                    got = cache.prefetch((nxt, e))
-                    if got is None:
-                        break
-                    got_pins.append(got[0])
-                    out.prefetch_copies += got[1]
-                pins[nxt] = got_pins
-            for slot in held:
-                cache.release(slot)
-        for slots in pins.values():  # the last layer has no successor in this step
-            for slot in slots:
-                out.wasted += cache.unused_prefetch(slot)
-                cache.release(slot)
-        pins.clear()
-        out.steps += 1
-    out.copies = cache.copies
+                wanted = sorted(set(predictions[s].get(nxt, [])))
+                queued = partial(ledger.issue, nxt, wanted, stats.setdefault(nxt, LayerStats()))
+            for _ in stream(cache, layer, ids, here, recorder, kept, queued):
+                pass  # nothing to compute: the slot is released when the next one is asked for
+        dropped += ledger.drop(cancel=False).wasted  # the last layer has no successor in this step
+    out = ReplayResult(steps=len(trace), copies=cache.copies)
+    for layer, st in stats.items():
+        if st.hits:
+            out.hits[layer] = st.hits
+        if st.misses:
+            out.misses[layer] = st.misses
+        out.prefetch_copies += st.prefetched
+        out.wasted += st.prefetch_wasted
+    out.wasted += dropped
     return out

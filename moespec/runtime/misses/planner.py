@@ -33,9 +33,7 @@ prefetch): :meth:`MissPlanner.prefetch_pays`. A used prefetch saves at most one 
 measured main-thread ms of the prediction and its prefetch bookkeeping. Both are running averages
 (used prefetches per predicted layer, overhead ms per predicted layer); the layer predicts while
 used x host_ms(1) >= overhead, else skips prediction and re-measures one layer in _PROBE_EVERY (64).
-Measured on the default model on CPU (0.25 GB/s, 8 slots): ~0.8 used per layer x ~0.2-0.3 ms
-against ~0.4 ms of prediction and bookkeeping, so it does not pay there; an offloaded 30B
-expert computed on the CPU (ms) beside a GPU predictor (~0.1 ms) does.
+The numbers behind these rules: docs/decisions.md (2026-11-30 and 2026-12-01 entries on ``auto``).
 """
 
 from __future__ import annotations
@@ -48,16 +46,15 @@ import torch
 
 from moespec.config import OnMiss
 from moespec.errors import OptionError
-from moespec.runtime.host_compute import HostExpertPool, HostResult, host_forward
+from moespec.runtime.misses.host_pool import HostExpertPool, HostResult, host_forward
 
 _BENCH_TOKENS = (1, 16)
 _AVERAGE = 0.2  # weight of a new observation in the running average of host ms
-# One observation moves the running average by at most this factor ** _AVERAGE (x1.32): a job that the
-# OS preempted for a few ms (a 2-core machine shared with other work: 20-60x its benchmark) must not
-# send the next misses to the link, since the same preemption hits a fetch and the device alike.
+# One observation moves the running average by at most this factor ** _AVERAGE (x1.32): one preempted
+# job must not send the next misses to the link (docs/decisions.md, 2026-11-30 "clamped geometric").
 _STEP_CLAMP = 4.0
 # While prediction does not pay, one decode layer in this many still predicts, so the measured
-# overhead and usefulness follow a changed load or link (about every other token on the default model).
+# overhead and usefulness follow a changed load or link.
 _PROBE_EVERY = 64
 
 
@@ -75,8 +72,8 @@ class Costs:
             would bias the choice toward fetching), until the device's own times are observed.
         device_scale: running average of observed / predicted device ms (shared processor only; None
             until a device expert was timed). The main thread's experts compete with the pool for
-            the same cores: on a loaded 2-core machine one took 0.74 ms beside the pool against
-            0.33 ms per pool job, so the plan must see the device as it runs, not as benchmarked.
+            the same cores, so the plan must see the device as it runs, not as benchmarked
+            (docs/decisions.md, 2026-11-30 "shared processor").
     """
 
     copy_ms: float
@@ -170,9 +167,8 @@ def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, 
     def on_device(t: int) -> None:
         layout.forward(torch.zeros(t, hidden, dtype=dtype, device=device), scratch, act)
         if device.type != "cpu":
-            # Why: device time, not launch time. On CPU the forward is synchronous; the engine's
-            # synchronize there is a round trip through the copy thread (~0.1 ms, measured 0.14 ->
-            # 0.27 ms per decode expert), which made the device look twice as slow as the host.
+            # Why: device time, not launch time. On CPU the forward is synchronous, and the engine's
+            # synchronize is a copy-thread round trip that doubled device_ms (docs/decisions.md).
             engine.synchronize()
 
     dev = {t: _median_ms(lambda t=t: on_device(t)) for t in _BENCH_TOKENS}

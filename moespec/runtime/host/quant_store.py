@@ -2,8 +2,7 @@
 
 Shapes: M MoE layers, E experts, P bytes per packed expert row (QuantLayout.numel).
 
-File: ``<moespec home>/experts/<model id>/int4-g64.safetensors`` (the model id as calibration files
-use it), one tensor ``experts`` [M, E, P] uint8 - the store's buffer as is - and a JSON header entry
+File: ``<moespec home>/experts/<model id>/int4-g64.safetensors`` (moespec.artifacts.quant_store_path), one tensor ``experts`` [M, E, P] uint8 - the store's buffer as is - and a JSON header entry
 ``moespec_quant_store`` with the settings (format version, bits, group size, H, I, E, MoE layers)
 and the checkpoint's fingerprint: for config.json and every shard, its name, size, mtime and the
 sha256 of the safetensors header (tensor names, dtypes, shapes, offsets). Reading the header costs
@@ -28,11 +27,12 @@ from pathlib import Path
 
 import torch
 
+from moespec.artifacts import quant_store_path
 from moespec.errors import OutputError
 from moespec.integrity import DIGEST_KEY, new_hasher, tensor_header, update
 from moespec.models.quant_layout import QuantLayout
-from moespec.runtime.checkpoint import WINDOW_BYTES, MappingWindow
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow
+from moespec.runtime.host.store import ExpertStore
 
 FORMAT = 2  # bump when the row layout or the arithmetic changes (2: int4 packs halves)
 META_KEY = "moespec_quant_store"
@@ -57,12 +57,7 @@ def checkpoint_fingerprint(folder: Path, files: list[Path]) -> list[list]:
 
 def cache_path(model_folder: Path, layout: QuantLayout) -> Path:
     """Where the quantised store of ``model_folder`` with ``layout``'s settings lives."""
-    from moespec.calibrate.locate import model_key
-    from moespec.hub.artifacts import sanitize_model_id
-    from moespec.paths import moespec_home
-
-    name = f"int{layout.bits}-g{layout.group_size}.safetensors"
-    return moespec_home() / "experts" / sanitize_model_id(model_key(model_folder)) / name
+    return quant_store_path(model_folder, layout.bits, layout.group_size)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ A missed expert either moves to the device (a P-element copy into a cache slot) 
 weights are: its t token rows go to the host (d2h, t x H), the host computes the expert from its
 store row (pinned memory on CUDA; packed MXFP4 rows are dequantised there by the layout), and only
 the [t, H] output comes back (h2d). Fiddler (Kamahori et al. 2024) and llama.cpp's ``--cpu-moe``
-do the same for every routed expert; here it is chosen per miss (miss_policy.py).
+do the same for every routed expert; here it is chosen per miss (planner.py).
 
 The pool runs beside the compute thread: the device computes the resident experts while the workers
 compute the misses. On CPU "host" and "device" are the same processor, but the path is still its
@@ -18,9 +18,8 @@ thread count leaves two cores free (the thread that launches device work and the
 torch's intra-op pool is set to one thread, so N workers use N cores, never the launcher's
 (``--host-threads`` overrides the count; the launching thread runs no CPU-parallel op). On every
 device each worker computes with one intra-op thread: OpenMP's thread count belongs to the calling
-thread and a new thread starts at the machine's core count, so a worker's [16, H] matmul fanned out
-over every core beside the compute thread (measured on 2 cores: 4 experts of 16 tokens took 68 ms on
-the pool against 6 ms on the compute thread; 9.9 ms with one thread per worker).
+thread and a new thread starts at the machine's core count, so a worker's [16, H] matmul would fan
+out over every core beside the compute thread (docs/decisions.md, 2026-11-30 "One intra-op thread").
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import torch
 
 from moespec.errors import OptionError
 from moespec.models.base import ExpertLayout
-from moespec.runtime.store import ExpertStore
+from moespec.runtime.host.store import ExpertStore
 
 
 @dataclass(frozen=True)
@@ -159,8 +158,8 @@ class HostExpertPool:
         """Start computing the experts ``items`` = [(expert, x [t, H])] of decoder layer ``layer``.
 
         They go to the workers in at most ``threads`` batches (round robin, each computed in order),
-        one queue hand-off per worker instead of one per expert: on 2 CPU cores a hand-off cost about
-        0.15-0.3 ms (waking the worker, the GIL going back and forth), as much as a decode expert.
+        one queue hand-off per worker instead of one per expert: a hand-off costs as much as a decode
+        expert (docs/decisions.md, 2026-11-30 "one batch per worker").
 
         Returns:
             One HostJob per item, in ``items`` order; d2h/h2d bytes are t x H x itemsize each.

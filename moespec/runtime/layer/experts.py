@@ -120,15 +120,17 @@ class TopkSum:
         return self.buf.sum(dim=1).to(self.out_dtype)
 
 
-def sum_one_token(weighted: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """TopkSum for one token whose K weighted outputs [1, H] are given in top-k order: [1, H] in x's dtype.
+def sum_one_token(raws: list[torch.Tensor], weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """TopkSum for one token from its raw expert outputs [1, H] in top-k order and their gate weights
+    weights [1, K]: [1, H] in x's dtype.
 
-    Stacks them into the same contiguous [1, K, H] and reduces it the same way (one op instead of
-    one copy per expert); an empty list (nothing ran) gives zeros.
+    One stack [1, K, H], one multiply by weights [1, K, 1] (the products :func:`gated` makes, in the
+    promoted dtype) and one reduction over K, instead of one slice and one multiply per expert; the
+    same values in the same contiguous [1, K, H] as TopkSum's. An empty list (nothing ran) gives zeros.
     """
-    if not weighted:
+    if not raws:
         return torch.zeros_like(x)
-    return torch.stack(weighted, dim=1).sum(dim=1).to(x.dtype)  # [1, K, H] -> [1, H]
+    return (torch.stack(raws, dim=1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # [1, K, H] -> [1, H]
 
 
 def weighted_contribution(x: torch.Tensor, routing: Routing, expert: int, row: torch.Tensor,

@@ -4,17 +4,20 @@ Shapes: S slots, P packed elements per expert.
 
 A slot is pinned (never evicted) while the running layer uses it or while it holds a prefetch
 whose target layer has not run yet. Copies go through the TransferEngine; the compute side waits
-on exactly the slot it reads.
+on exactly the slot it reads. Each slot is one record (slot.py: its state, pins, copy in flight);
+the cache keeps indexes over them: which key is where, the eviction order of unpinned slots, and
+the sets its rule needs to be fast.
 
-The rule that keeps prefetch from costing more than it saves (issue 16):
+The rule that keeps prefetch from costing more than it saves (docs/decisions.md, 2026-11 "prefetch
+takes slots as a miss would"):
 
 - A prefetch of a resident expert costs nothing: it only pins the slot it is in, keeping the
-  slot's place in the eviction order (a prediction is not a use). The runner pins a layer's
-  resident predictions before it copies any other (moe_layer.py), as a layer pins its hits
-  before its misses.
+  slot's place in the eviction order (a prediction is not a use). The ledger (ledger.py) pins a
+  layer's resident predictions before it copies any other, as a layer pins its hits before its
+  misses (stream.py).
 - A copy, demand or prefetch, takes the first of: an empty slot; the oldest **unused
   prediction** (a prefetched expert whose target layer ran without it); the eviction rule's
-  victim (``--cache-policy``, cache_policy.py). Never a pinned slot; a prefetch never takes one
+  victim (``--cache-policy``, eviction.py). Never a pinned slot; a prefetch never takes one
   whose copy is still in flight either, and holds at most ``prefetch_slots`` (K) slots with
   unused copies at once. There is no reserved prefetch area: every slot is cache.
 - So a right prediction evicts, only earlier, what its demand miss would have evicted, and moves
@@ -23,20 +26,11 @@ The rule that keeps prefetch from costing more than it saves (issue 16):
   is cancelled before it started (its target layer came first) gives its slot back to the expert
   it displaced: the slot's bytes were never written.
 - A used prediction is an ordinary cache entry: the rule hears of its use as of any other.
-
-Measured by replay (scripts/policy_hit_rates.py, default model, 256 tokens, 120 slots = 25 %;
-copies per token): the router predictor (18.6 wrong predictions per token) moves on-demand's
-copies + 15.6 (lfru), + 15.8 (lfu), + 14.8 (static), + 19.6 (lru: 1 % over the bound, in the
-replay only; the timed run, where late prefetches are cancelled, stays 5 MB/token under it);
-the oracle exactly on-demand's under lru and static, + 1 % under lfu and lfru. The earlier
-design (a reserved prefetch area of K slots, promotion on use) shrank the cache to S - K slots,
-which costs an LRU cache sized to one token's experts most of its hits.
 """
 
 from __future__ import annotations
 
 import time
-
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -44,11 +38,13 @@ from typing import Callable
 import torch
 
 from moespec.config import CachePolicy
-from moespec.runtime.cache_policy import EvictionRule
-from moespec.runtime.store import ExpertStore
-from moespec.runtime.transfer import Span, Ticket, TransferEngine
+from moespec.runtime.cache.eviction import EvictionRule
+from moespec.runtime.cache.slot import Key, Slot, SlotState
+from moespec.runtime.host.store import ExpertStore
+from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
-Key = tuple[int, int]  # (decoder layer index, expert id)
+EMPTY, CACHED, PREDICTED, UNUSED, RESTORED = (SlotState.EMPTY, SlotState.CACHED, SlotState.PREDICTED,
+                                              SlotState.UNUSED, SlotState.RESTORED)
 
 
 @dataclass
@@ -89,26 +85,21 @@ class ExpertCache:
         self.prefetch_slots = max(0, min(prefetch_slots, num_slots - 1))
         self._make_rule = rule or EvictionRule
         self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
+        self.expert_bytes = store.expert_bytes  # what one copy moves
         self.copies = 0  # copies issued (demand + prefetch)
         self._reset()
 
     def _reset(self) -> None:
         n = self.num_slots
         self.rule = self._make_rule()
-        self._where: dict[Key, int] = {}
-        self._key: list[Key | None] = [None] * n
-        self._pins = [0] * n
-        self._ticket: list[Ticket | None] = [None] * n
-        self._issued_s: list[float] = [0.0] * n  # perf_counter when the slot's copy was issued (copy_age_ms)
-        self._from_prefetch = [False] * n
-        self._unused = [False] * n  # filled by a prefetch and not used since
-        self._displaced: list[Key | None] = [None] * n  # what a prefetch copy overwrote (restored on cancel)
-        self._held: set[int] = set()  # pinned slots whose prefetch copy is not used yet (<= prefetch_slots)
-        self._restored: set[int] = set()  # pinned slots given back to the expert a cancelled prefetch displaced
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))  # unpinned, oldest first
-        self._spare: set[int] = set()  # slots in _lru holding an unused prediction
-        self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
+        self._slot = [Slot(i) for i in range(n)]
+        # Indexes over the records, kept in step with them:
+        self._where: dict[Key, int] = {}  # key -> slot holding it
         self._by_layer: dict[int, set[int]] = {}  # layer -> resident expert ids (for the guard)
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(n))  # unpinned, oldest first
+        self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
+        self._spare: set[int] = set()  # in _lru and holding a prediction no compute used
+        self._held: set[int] = set()  # pinned, holding a prefetch copy not used yet (<= prefetch_slots)
 
     @property
     def policy(self) -> CachePolicy:
@@ -137,20 +128,28 @@ class ExpertCache:
 
     def key_of(self, slot: int) -> Key | None:
         """The key held in ``slot``."""
-        return self._key[slot]
+        return self._slot[slot].key
+
+    def state(self, slot: int) -> SlotState:
+        """What ``slot``'s bytes are."""
+        return self._slot[slot].state
 
     def pinned(self, slot: int) -> bool:
         """True while ``slot`` is pinned (in use by the running layer or held by a prefetch)."""
-        return self._pins[slot] > 0
+        return self._slot[slot].pins > 0
+
+    def ticket(self, slot: int) -> Ticket | None:
+        """The copy into ``slot`` that compute has not waited for (None: none)."""
+        return self._slot[slot].ticket
 
     def in_flight(self, slot: int) -> bool:
         """True while a copy into ``slot`` may still be writing it (never blocks)."""
-        ticket = self._ticket[slot]
+        ticket = self._slot[slot].ticket
         return ticket is not None and not self.engine.landed(ticket)
 
     def unused_prediction(self, slot: int) -> bool:
         """True when ``slot`` holds a prefetched expert that no compute has used (reused first)."""
-        return self._unused[slot]
+        return self._slot[slot].predicted
 
     def evictable(self) -> int:
         """Number of slots that a new copy could take now."""
@@ -162,7 +161,7 @@ class ExpertCache:
 
     # --- pinning -------------------------------------------------------------------------
     def _pin(self, slot: int) -> None:
-        self._pins[slot] += 1
+        self._slot[slot].pins += 1
         self._lru.pop(slot, None)
         self._protected.discard(slot)
         self._spare.discard(slot)
@@ -170,61 +169,66 @@ class ExpertCache:
     def _protect(self, slot: int) -> None:
         """Pin a resident slot for a prefetch without touching its place in the eviction order:
         a prediction is not a use, so a wrong one must not make its expert look recent."""
-        self._pins[slot] += 1
+        self._slot[slot].pins += 1
         if slot in self._lru:
             self._protected.add(slot)
 
     def release(self, slot: int) -> None:
         """Drop one pin of ``slot``; at zero it becomes evictable (most recently used)."""
-        assert self._pins[slot] > 0, f"slot {slot} released more often than pinned"
-        self._pins[slot] -= 1
-        if self._pins[slot] == 0:
+        rec = self._slot[slot]
+        assert rec.pins > 0, f"slot {slot} released more often than pinned"
+        rec.pins -= 1
+        if rec.pins == 0:
             self.engine.slot_released(slot)
             self._held.discard(slot)
             if slot in self._protected:  # pinned only by a prefetch: it kept its place
                 self._protected.discard(slot)
                 return
             self._lru[slot] = None
-            if self._unused[slot]:
+            state = rec.state
+            if state is PREDICTED or state is UNUSED:
                 self._spare.add(slot)
-            if self._key[slot] is None or slot in self._restored:  # empty, or the victim it was: reused first
-                self._restored.discard(slot)
+            elif state is EMPTY or state is RESTORED:  # empty, or the victim it was: reused first
+                if state is RESTORED:
+                    rec.state = CACHED
                 self._lru.move_to_end(slot, last=False)
 
-    def _evict_to_empty(self, slot: int) -> None:
-        key = self._key[slot]
+    def _evict_to_empty(self, rec: Slot) -> None:
+        key = rec.key
         if key is not None:
             del self._where[key]
             self._by_layer[key[0]].discard(key[1])
-        self._key[slot] = None
+        rec.key = None
+        rec.state = EMPTY
 
     def _victim(self, settled: bool) -> int | None:
         """The slot a copy takes: an empty one, else the oldest unused prediction, else the rule's
         victim; among unpinned slots (``settled``: none whose copy is in flight)."""
-        protected = self._protected
+        protected, records = self._protected, self._slot
 
         def order():  # lazily: LRU's victim is usually the first slot
-            return (s for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
+            return (records[s] for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
 
         if self._spare:  # unpinned unused predictions exist (empty slots are first in the order anyway)
-            for s in order():
-                if self._key[s] is None or self._unused[s]:
-                    return s
-        return self.rule.victim(order(), self._key)
+            for rec in order():
+                state = rec.state  # identity tests: no call per slot on this scan
+                if state is EMPTY or state is PREDICTED or state is UNUSED:
+                    return rec.index
+        got = self.rule.victim(order())
+        return None if got is None else got.index
 
     def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
+        rec = self._slot[slot]
         self._spare.discard(slot)
-        self._displaced[slot] = self._key[slot] if prefetch else None
-        self._evict_to_empty(slot)
-        self._key[slot] = key
+        rec.displaced = rec.key if prefetch else None
+        self._evict_to_empty(rec)
+        rec.key, rec.state = key, PREDICTED if prefetch else CACHED
         self._where[key] = slot
         self._by_layer.setdefault(key[0], set()).add(key[1])
-        self._ticket[slot] = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
-        self._issued_s[slot] = time.perf_counter()
+        rec.ticket = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
+        rec.issued_s = time.perf_counter()
         self.copies += 1
-        self._pins[slot] = 1
-        self._from_prefetch[slot] = prefetch
-        self._unused[slot] = prefetch
+        rec.pins = 1
         if prefetch:
             self._held.add(slot)
         return slot
@@ -249,7 +253,7 @@ class ExpertCache:
 
         For measurements that must start from the same cache state (``moespec profile``).
         """
-        assert not any(self._pins), "clear() while slots are pinned"
+        assert not any(rec.pins for rec in self._slot), "clear() while slots are pinned"
         self.engine.synchronize()
         self._reset()
 
@@ -263,21 +267,22 @@ class ExpertCache:
         for ticket in self.engine.cancel_pending():
             # The slot's current copy (or an older one still queued behind it): either way the
             # slot's bytes are not the key's expert, so forget the key. Emptying is always safe.
-            current = self._ticket[ticket.slot]
-            if current is None or current is ticket:
-                self._evict_to_empty(ticket.slot)
+            rec = self._slot[ticket.slot]
+            if rec.ticket is None or rec.ticket is ticket:
+                self._evict_to_empty(rec)
                 self.copies -= 1
         self.engine.synchronize()  # a CUDA stream cannot drop copies: let them land
-        for slot in range(self.num_slots):
-            if self._pins[slot]:
-                self._pins[slot] = 1
+        for rec in self._slot:
+            slot = rec.index
+            if rec.pins:
+                rec.pins = 1
                 self.release(slot)  # back to the eviction order (a protected slot is already there)
-            self._ticket[slot] = None  # every copy has landed or was dropped
-            self._from_prefetch[slot] = False
-            self._unused[slot] = False
-            self._displaced[slot] = None
+            rec.ticket = None  # every copy has landed or was dropped
+            if rec.state is PREDICTED or rec.state is UNUSED:
+                rec.state = CACHED
+            rec.displaced = None
             self._spare.discard(slot)
-            if self._key[slot] is None and slot in self._lru:  # empty slots are reused first
+            if rec.state is EMPTY and slot in self._lru:  # empty slots are reused first
                 self._lru.move_to_end(slot, last=False)
 
     # --- the two ways in -------------------------------------------------------------------
@@ -291,9 +296,11 @@ class ExpertCache:
         if slot is not None:
             self._pin(slot)
             self.rule.used(key)
-            prefetched = self._from_prefetch[slot]
-            self._from_prefetch[slot] = False
-            self._unused[slot] = False
+            rec = self._slot[slot]
+            state = rec.state
+            prefetched = state is PREDICTED
+            if prefetched or state is UNUSED:
+                rec.state = CACHED
             self._held.discard(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)
         slot = self._load(key)
@@ -330,51 +337,54 @@ class ExpertCache:
         copied elsewhere since), in the eviction order's first place, as it was; else it is empty.
         The caller still releases its pin.
         """
-        ticket = self._ticket[slot]
-        if ticket is None or not self._from_prefetch[slot] or not self.engine.cancel(ticket):
+        rec = self._slot[slot]
+        ticket = rec.ticket
+        if ticket is None or rec.state is not PREDICTED or not self.engine.cancel(ticket):
             return False
-        self._ticket[slot] = None
-        self._from_prefetch[slot] = False
-        self._unused[slot] = False
+        rec.ticket = None
         self._held.discard(slot)
-        self._evict_to_empty(slot)
+        self._evict_to_empty(rec)
         self.copies -= 1
-        back, self._displaced[slot] = self._displaced[slot], None
+        back, rec.displaced = rec.displaced, None
         if back is not None and back not in self._where:
-            self._key[slot] = back
+            rec.key, rec.state = back, RESTORED
             self._where[back] = slot
             self._by_layer.setdefault(back[0], set()).add(back[1])
-            self._restored.add(slot)
         return True
 
-    def unused_prefetch(self, slot: int) -> bool:
-        """True when ``slot`` was filled by a prefetch that no compute has used; clears the mark."""
-        was = self._from_prefetch[slot]
-        self._from_prefetch[slot] = False
-        return was
+    def mark_unused(self, slot: int) -> bool:
+        """A prefetch copy whose target layer ran without it becomes UNUSED (the next copy's slot);
+        True when ``slot`` held such a copy (a wasted prediction), False otherwise."""
+        rec = self._slot[slot]
+        if rec.state is PREDICTED:
+            rec.state = UNUSED
+            return True
+        return False
 
     def landed(self, key: Key) -> bool:
         """True when ``key`` is resident and its copy has finished (no stall to read it); no host sync."""
         slot = self._where.get(key)
         if slot is None:
             return False
-        ticket = self._ticket[slot]
+        ticket = self._slot[slot].ticket
         return ticket is None or self.engine.landed(ticket)
 
     def copy_age_ms(self, key: Key) -> float:
         """Milliseconds since the copy of resident ``key`` was issued (the miss planner's estimate of how
         much of it is left); 0.0 when ``key`` is not resident."""
         slot = self._where.get(key)
-        return 0.0 if slot is None else (time.perf_counter() - self._issued_s[slot]) * 1e3
+        return 0.0 if slot is None else (time.perf_counter() - self._slot[slot].issued_s) * 1e3
 
     def copies_in_flight(self) -> int:
         """Copies issued into slots that have not landed yet (the link's backlog, for the miss planner)."""
-        return sum(1 for t in self._ticket if t is not None and not self.engine.landed(t))
+        landed = self.engine.landed
+        return sum(1 for rec in self._slot if rec.ticket is not None and not landed(rec.ticket))
 
     def wait(self, slot: int) -> Span | None:
         """Make compute wait for the copy into ``slot``; returns the stall span or None if none pending."""
-        ticket = self._ticket[slot]
+        rec = self._slot[slot]
+        ticket = rec.ticket
         if ticket is None:
             return None
-        self._ticket[slot] = None
+        rec.ticket = None
         return self.engine.wait(ticket)

@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from moespec.runtime.transfer import Span, Ticket, TransferEngine
+from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 
 class CudaBackend:

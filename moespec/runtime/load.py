@@ -1,4 +1,4 @@
-"""OffloadedModel: a transformers MoE model whose experts live in the host store.
+"""load_offloaded: a checkpoint folder loaded as an OffloadedModel (runtime/model.py).
 
 Loading builds the model skeleton with empty (meta) weights, swaps every sparse MoE block of
 this instance for an OffloadedMoeBlock, then reads the checkpoint tensor by tensor: expert
@@ -9,53 +9,35 @@ part): the checkpoint is read through a bounded window of its file mapping (chec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from moespec.config import OnMiss, Predictor, RuntimeConfig, format_binary
-from moespec.errors import BudgetError, CheckpointError, DeviceError, OptionError
+from moespec.artifacts import model_key
+from moespec.config import CachePolicy, Predictor, RuntimeConfig, format_binary
+from moespec.errors import BudgetError, CalibrationError, CheckpointError, DeviceError, OptionError
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
-from moespec.predict.base import LayerRef, NextLayerPredictor, NoPredictor, RouterPredictor
-from moespec.runtime.cache import ExpertCache
-from moespec.runtime.checkpoint import iter_tensors, safetensors_files
-from moespec.runtime.host_memory import check_host_memory
-from moespec.runtime.moe_layer import MoeLayerRunner
-from moespec.runtime.quant_store_cache import QuantStoreCache
+from moespec.predict.base import LayerRef, NoPredictor
+from moespec.predict.factory import make_predictor
+from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
+from moespec.runtime.cache.ledger import PrefetchLedger
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.host.checkpoint import iter_tensors, safetensors_files
+from moespec.runtime.host.memory import check_host_memory
+from moespec.runtime.host.quant_store import QuantStoreCache
+from moespec.runtime.host.store import ExpertStore
+from moespec.runtime.layer.policy import LayerPolicy
+from moespec.runtime.layer.runner import MoeLayerRunner
+from moespec.runtime.model import OffloadedModel, OffloadedMoeBlock, wire_recorder
 from moespec.runtime.stats import NullRecorder, StatsRecorder
-from moespec.runtime.store import ExpertStore
-from moespec.runtime.transfer import make_transfer_engine
+from moespec.runtime.transfer.base import TransferEngine
+from moespec.runtime.transfer.cuda import CudaTransferEngine
+from moespec.runtime.transfer.thread import ThreadTransferEngine
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class OffloadedMoeBlock(nn.Module):
-    """Replaces one sparse MoE block of a model instance; returns what the original returns.
-
-    Keeps the original's shared parts under their original names, so the checkpoint's dense tensor
-    names still apply; the router is always the child ``gate`` (GPT-OSS's ``router`` is registered
-    under that name and its adapter maps the checkpoint names). The experts live in the host store.
-    """
-
-    def __init__(self, original: nn.Module, layer: int, runner: MoeLayerRunner, adapter: MoeAdapter) -> None:
-        super().__init__()
-        for name, child in original.named_children():
-            if name != "experts":
-                self.add_module("gate" if name == adapter.router_attr else name, child)
-        self.layer = layer
-        self.act_fn = getattr(original.experts, "act_fn", None)  # None: the layout has its own (GPT-OSS)
-        self._returns_scores = adapter.returns_router_scores
-        self._runner = [runner]  # in a list: not a submodule, not in state_dict
-
-    def forward(self, hidden_states: torch.Tensor):
-        """hidden_states [B, S, H] (router input s_l) -> MoE output [B, S, H] (GPT-OSS: (output, None))."""
-        shape = hidden_states.shape
-        out = self._runner[0].run(self, hidden_states.reshape(-1, shape[-1])).reshape(shape)  # [B, S, H]
-        # GPT-OSS's decoder layer unpacks (output, router_scores) and discards the scores.
-        return (out, None) if self._returns_scores else out
 
 
 def resolve_device(name: str) -> torch.device:
@@ -134,78 +116,11 @@ def num_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, expert_bytes: 
     return min(slots, total_experts)
 
 
-@dataclass
-class OffloadedModel:
-    """A loaded model and its offloading runtime.
-
-    Attributes:
-        model: the transformers CausalLM (dense parts on ``device``, MoE blocks offloaded).
-        config: its transformers config.
-        adapter, store, cache, runner: the runtime parts.
-        device, dtype: where and how dense parts and slots live.
-        path: the checkpoint folder.
-        notes: one-line notes for the user about how it was loaded (e.g. a cache policy fallback).
-    """
-
-    model: nn.Module
-    config: object
-    adapter: MoeAdapter
-    store: ExpertStore
-    cache: ExpertCache
-    runner: MoeLayerRunner
-    device: torch.device
-    dtype: torch.dtype
-    path: Path
-    runtime_config: RuntimeConfig
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def recorder(self) -> StatsRecorder:
-        """The stats recorder in use."""
-        return self.runner.recorder
-
-    def set_recorder(self, recorder: StatsRecorder) -> None:
-        """Swap the stats recorder (NullRecorder to stop recording); wires it to the transfer engine."""
-        _wire_recorder(recorder, self.cache.engine)
-        self.runner.recorder = recorder
-
-    def set_on_miss(self, mode: OnMiss) -> None:
-        """Where cache misses run from now on; the first host/auto use starts the host pool and
-        benchmarks the costs (miss_policy.measure_costs).
-
-        Raises:
-            OptionError: the host cannot compute this model's experts (names --on-miss).
-        """
-        runner = self.runner
-        if mode != OnMiss.FETCH and runner.host is None:
-            from moespec.runtime.host_compute import HostExpertPool, default_host_threads
-            from moespec.runtime.miss_policy import MissPlanner, measure_costs
-
-            first = self.model.model.layers[self.store.moe_layers[0]].mlp
-            what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
-            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
-            threads = self.runtime_config.host_threads or default_host_threads(self.device)
-            runner.host = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
-        runner.on_miss = mode
-
-    def max_context(self) -> int:
-        """The model's context length in tokens."""
-        return int(getattr(self.config, "max_position_embeddings", 0) or 2**31)
-
-    def close(self) -> None:
-        """Finish every copy and host job, stop the transfer engine, then unpin the host store."""
-        if self.runner.host is not None:
-            self.runner.host.close()
-        self.cache.engine.close()
-        self.store.close()
-
-
-def _wire_recorder(recorder: StatsRecorder, engine) -> None:
-    """A recording recorder synchronizes through the engine before reading clocks; the engine makes
-    timing events only while one records."""
-    if recorder.enabled:
-        recorder.synchronize = engine.synchronize
-    engine.set_timing(recorder.enabled)
+def make_transfer_engine(device: torch.device, num_slots: int, link_gbps: float | None) -> TransferEngine:
+    """CUDA demand + prefetch streams on a CUDA device, else the (optionally throttled) worker thread."""
+    if device.type == "cuda":
+        return CudaTransferEngine(device, num_slots)
+    return ThreadTransferEngine(link_gbps)
 
 
 def host_bytes_needed(model: nn.Module, store_bytes: int, device: torch.device) -> int:
@@ -223,25 +138,6 @@ def _moe_layers(model: nn.Module, adapter: MoeAdapter) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if adapter.is_moe_block(layer.mlp)]
 
 
-def make_predictor(kind: Predictor, adapter: MoeAdapter, refs: list[LayerRef], cfg: RuntimeConfig,
-                   model_path: Path) -> NextLayerPredictor:
-    """The predictor named by ``--predictor``.
-
-    Raises:
-        OptionError: a predictor that this build cannot make (names the command that provides it).
-    """
-    if kind == Predictor.NONE:
-        return NoPredictor(adapter, refs)
-    if kind == Predictor.ROUTER:
-        return RouterPredictor(adapter, refs)
-    try:
-        from moespec.predict.factory import make_calibrated_predictor
-    except ModuleNotFoundError:
-        raise OptionError(f"--predictor {kind.value} is not available in this build",
-                          "use --predictor router or none") from None
-    return make_calibrated_predictor(kind, adapter, refs, cfg, model_path)
-
-
 def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int, config, refs: list[LayerRef]):
     """What makes the cache's eviction rule for ``policy`` (resolve_policy's; seeded ones read the calibration file),
     and a note for the user or None. Called once the routers are loaded: a seeded policy's file must be
@@ -251,13 +147,6 @@ def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int
     Raises:
         CalibrationError: a seeded policy asked for without a calibration file, or with another model's.
     """
-    from functools import partial
-
-    from moespec.calibrate.locate import model_key
-    from moespec.config import CachePolicy
-    from moespec.errors import CalibrationError
-    from moespec.runtime.cache_policy import load_seed, make_rule
-
     seed, note = None, None
     if policy.needs_calibration:
         try:
@@ -301,10 +190,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
     slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
-    from moespec.runtime.cache_policy import resolve_policy
-
     # A missing calibration file fails here, before anything is allocated.
-    policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
+    cache_policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
     check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
     store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = None
@@ -312,9 +199,10 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         engine = make_transfer_engine(device, slots, cfg.link_gbps)
         cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
         recorder = recorder or NullRecorder()
-        _wire_recorder(recorder, engine)
-        runner = MoeLayerRunner(adapter, cache, NoPredictor(adapter, []), cfg.execute, cfg.fetch_threshold, recorder)
-        runner.guard_rule, runner.guard_substitute = cfg.guard_rule, cfg.guard_substitute
+        wire_recorder(recorder, engine)
+        # Until the routers are loaded: no prediction, misses fetched (use_policy below sets cfg's).
+        runner = MoeLayerRunner(adapter, cache, PrefetchLedger(cache), recorder,
+                                LayerPolicy(NoPredictor(adapter, []), cfg.execute))
 
         refs = []
         for i in moe_layers:
@@ -329,12 +217,12 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         from_cache = saved is not None and saved.load_into(store)
         _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
         unsaved = saved.save(store) if saved is not None and not from_cache else None  # a note, never fatal
-        rule, note = _rule_factory(cfg, policy, path, adapter.top_k(), slots, config, refs)  # checks the file's routers
+        rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
-        runner.predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
+        predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
                             [n for n in (note, unsaved) if n])
-        om.set_on_miss(cfg.on_miss)
+        om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
         if om is not None:
             om.close()

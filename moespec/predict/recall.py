@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NextLayerPredictor
 
+METRICS = ("recall", "weighted_recall", "cosine")  # the RecallCounts methods, as calibration files name them
+
 
 @dataclass
 class RecallCounts:
@@ -63,7 +65,7 @@ def predict_state(adapter: MoeAdapter, predictor: NextLayerPredictor, layer: int
 
 
 class RecallObserver:
-    """Observer for ``MoeLayerRunner.observer`` that scores predictors against the true routing.
+    """A MoE-layer observer (runtime.chunks.run_chunks) that scores predictors against the true routing.
 
     Args:
         adapter: the architecture adapter.

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from moespec.artifacts import describe_estimator
 from moespec.errors import CalibrationError, OutputError
-# Where the file lives is torch-free (the CLI checks it before loading); re-exported for callers.
-from moespec.estimator.locate import BESIDE_MODEL, default_estimator_path, describe, find_estimator  # noqa: F401
-from moespec.estimator.model import EstimatorBank, EstimatorShape
+from moespec.fsutil import load_safetensors_with_meta, save_safetensors_atomic
+from moespec.predict.calibration_file import config_hash
+from moespec.predict.estimator_net import EstimatorBank, EstimatorShape
 
 FORMAT = "moespec.estimator"
 FORMAT_VERSION = 1
@@ -83,8 +84,6 @@ def save_estimator(path: str | Path, ef: EstimatorFile) -> Path:
     Raises:
         OutputError: the path is not writable.
     """
-    from moespec.fsutil import save_safetensors_atomic
-
     meta = dict(ef.meta, format=FORMAT, format_version=FORMAT_VERSION, input=ef.input,
                 shape=ef.bank.shape.to_dict(), choice={str(k): v for k, v in sorted(ef.choice.items())})
     path = Path(path).expanduser()
@@ -103,10 +102,8 @@ def load_estimator(path: str | Path, flag: str | None = None) -> EstimatorFile:
     Raises:
         CalibrationError: missing, unreadable, corrupt, not an estimator file, or a newer format.
     """
-    from moespec.fsutil import load_safetensors_with_meta
-
     path = Path(path).expanduser()
-    name = describe(path, flag)
+    name = describe_estimator(path, flag)
     redo = f"run `moespec train-estimator MODEL --out {path}` to write it again"
     meta, tensors = load_safetensors_with_meta(
         path, "estimator", FORMAT, FORMAT_VERSION, META_KEY, name=name,
@@ -142,10 +139,8 @@ def check_matches(ef: EstimatorFile, path: Path, config, moe_layers: list[int], 
     Raises:
         CalibrationError: config hash, MoE layers, sizes or router weights differ.
     """
-    from moespec.calibrate.file import config_hash
-
     made_for = ef.meta.get("model", "another model")
-    name = describe(path, flag)
+    name = describe_estimator(path, flag)
     hint = f"run `moespec train-estimator {model}` to train estimators for this model"
     if flag:
         hint = f"pass this model's estimator file with {flag}, or drop {flag} and {hint}"

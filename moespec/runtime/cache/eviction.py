@@ -2,8 +2,8 @@
 
 Shapes: M MoE layers, E experts per layer, K top-k.
 
-A rule only picks the victim among the cache's evictable slots (unpinned, cache area) and learns
-from each use; the cache (cache.py) owns slots, pins and copies. Scores are in "expected uses per
+A rule only picks the victim among the cache's evictable slots (unpinned) and learns from each
+use; the cache (slots.py) owns slots, pins and copies. Scores are in "expected uses per
 token at the key's layer", so keys of different layers compare.
 
 - ``lru``: the least recently released slot.
@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from moespec.artifacts import find_calibration, model_key
 from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy
-
-Key = tuple[int, int]  # (decoder layer index, expert id)
+from moespec.errors import CalibrationError
+from moespec.predict.calibration_file import load_calibration, load_checked
+from moespec.runtime.cache.slot import Key, Slot
 
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
 LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
@@ -44,7 +46,7 @@ class EvictionRule:
     def used(self, key: Key) -> None:
         """``key`` was acquired for compute (a hit or a miss)."""
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
         return next(iter(order), None)
 
@@ -64,10 +66,10 @@ class LfuRule(EvictionRule):
         """Retention value of ``key`` (higher is kept)."""
         return self.count.get(key, 0.0)
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         best, best_score = None, float("inf")
         for slot in order:  # oldest first: a strict < keeps the LRU slot among equal scores
-            key = key_of[slot]
+            key = slot.key
             if key is None:
                 return slot
             s = self.score(key)
@@ -109,10 +111,10 @@ class StaticRule(EvictionRule):
     def __init__(self, hot: set[Key]) -> None:
         self.hot = hot
 
-    def victim(self, order: Iterable[int], key_of: list) -> int | None:
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
         first = None
         for slot in order:
-            if key_of[slot] not in self.hot:
+            if slot.key not in self.hot:
                 return slot
             first = slot if first is None else first
         return first
@@ -163,15 +165,12 @@ def load_seed(model_path: str | Path, explicit: str | None, top_k: int, config=N
     Args:
         config, layers, routers: the running model's config, MoE layer indices and router weights [E, H];
             when given, the file must have been made for this model, checked as the quasi predictor checks
-            it (config hash, MoE layers, router fingerprint; calibrate.file.check_matches).
+            it (config hash, MoE layers, router fingerprint; predict.calibration_file.check_matches).
 
     Raises:
         CalibrationError: no calibration file (names `moespec calibrate`), an unreadable one, or one made
             for another model (names `moespec calibrate MODEL` and ``--cache-policy lru``).
     """
-    from moespec.calibrate.file import load_calibration, load_checked
-    from moespec.errors import CalibrationError
-
     path = find_policy_calibration(model_path, explicit)
     if config is None:
         calib = load_calibration(path)
@@ -189,9 +188,6 @@ def find_policy_calibration(model_path: str | Path, explicit: str | None, policy
     Raises:
         CalibrationError: one line naming `moespec calibrate` and the flag that avoids it.
     """
-    from moespec.calibrate.locate import find_calibration, model_key
-    from moespec.errors import CalibrationError
-
     try:
         return find_calibration(model_path, explicit)
     except CalibrationError:
@@ -212,8 +208,6 @@ def resolve_policy(asked: CachePolicy | None, model_path: str | Path, explicit: 
     if asked is None:
         if not DEFAULT_CACHE_POLICY.needs_calibration:
             return DEFAULT_CACHE_POLICY
-        from moespec.errors import CalibrationError
-
         try:
             find_policy_calibration(model_path, explicit)
         except CalibrationError:

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from moespec.artifacts import model_key
 from moespec.errors import CalibrationError, OutputError
+from moespec.fsutil import load_safetensors_with_meta, save_safetensors_atomic
 
 FORMAT = "moespec.calibration"
 FORMAT_VERSION = 1
@@ -140,8 +142,6 @@ def save_calibration(path: str | Path, calib: Calibration) -> Path:
     Raises:
         OutputError: the path is not writable.
     """
-    from moespec.fsutil import save_safetensors_atomic
-
     meta = dict(calib.meta, format=FORMAT, format_version=FORMAT_VERSION, variant=calib.variant)
     return save_safetensors_atomic(Path(path).expanduser(), calib.tensors(), meta, META_KEY)
 
@@ -152,8 +152,6 @@ def load_calibration(path: str | Path) -> Calibration:
     Raises:
         CalibrationError: missing, unreadable, corrupt, not a calibration file, or a newer format.
     """
-    from moespec.fsutil import load_safetensors_with_meta
-
     path = Path(path).expanduser()
     redo = f"run `moespec calibrate MODEL --out {path}` to write it again"
     meta, tensors = load_safetensors_with_meta(
@@ -222,8 +220,6 @@ def load_checked(path: Path, config, layers: list[int], routers: list[torch.Tens
     Raises:
         CalibrationError: unreadable file, or made for another model (check_matches).
     """
-    from moespec.calibrate.locate import model_key
-
     calib = load_calibration(path)
     fingerprint = router_fingerprint(routers) if routers else None
     check_matches(calib, path, config, list(layers), fingerprint, model_key(model_path))

@@ -1,0 +1,115 @@
+"""PrefetchLedger: the pins a prediction holds on slots for a later layer, from issue to settlement.
+
+While layer l runs, its prediction of layer l' (the next MoE layer) pins slots: resident predicted
+experts where they are, the others copied into the slots a miss would take (slots.py's rule).
+When l' runs, the ledger settles them against what l' needs: a pin l' needs is **kept** (the
+stream pins it again, then lets this one go); a copy that has not started is **cancelled** (no
+bytes moved: counted as cancelled, not prefetched, its bytes taken off); any other is released,
+and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
+l' (an exception, a stopped generation) **drops** what is left. The runtime's layer runner and the
+policy replay (replay.py) both go through here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.stats import LayerStats
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """What ``PrefetchLedger.drop`` let go: copies cancelled before they started, copies never used."""
+
+    cancelled: int
+    wasted: int
+
+
+class PrefetchLedger:
+    """Target layer -> the slots its prediction pinned, for one ExpertCache.
+
+    Args:
+        cache: the expert cache whose slots are pinned.
+    """
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+        self._pins: dict[int, list[int]] = {}
+
+    def held(self) -> dict[int, list[int]]:
+        """Target layer -> pinned slots (a copy)."""
+        return {layer: list(slots) for layer, slots in self._pins.items()}
+
+    def issue(self, target: int, experts: list[int], stats: LayerStats, budget: int | None = None) -> None:
+        """Pin ``experts`` of layer ``target`` ahead of use: the resident ones first (no copy, so no
+        copy of this prediction evicts one of them), then copies of the others, in the given order.
+
+        Best effort: stops at the first expert the cache has no room for. ``budget``: most experts
+        copied (``--on-miss auto``: what lands within a layer), resident ones free; None: no limit.
+        Counts the copies as ``stats.prefetched`` and their bytes as ``stats.h2d_bytes``.
+        """
+        cache = self.cache
+        resident = set(cache.resident_experts(target)) if budget is not None else ()
+        pins = []
+        for e in cache.resident_first(target, experts):
+            if budget is not None and e not in resident:
+                if budget == 0:
+                    continue
+                budget -= 1
+            got = cache.prefetch((target, e))
+            if got is None:
+                break  # no free slot: prefetch is best effort
+            slot, copied = got
+            pins.append(slot)
+            if copied:
+                stats.prefetched += 1
+                stats.h2d_bytes += cache.expert_bytes
+        self._pins[target] = pins
+
+    def settle(self, layer: int, needed, stats: LayerStats) -> list[int] | None:
+        """``layer`` is about to run with the experts ``needed`` (a container of ids): returns the pins
+        it needs (hand them to ``stream``, stream.py), or None when nothing was predicted for it.
+
+        Every other pin is let go: a copy not started is cancelled (``stats``: prefetched - 1,
+        prefetch_cancelled + 1, its bytes off h2d_bytes), one that ran and was never used is
+        counted in ``prefetch_wasted``.
+        """
+        pins = self._pins.pop(layer, None)
+        if pins is None:
+            return None
+        cache = self.cache
+        kept = []
+        for slot in pins:
+            key = cache.key_of(slot)
+            if key is not None and key[1] in needed:
+                kept.append(slot)
+                continue
+            if cache.cancel_prefetch(slot):
+                # The copy never started: no bytes moved, the slot is free again.
+                stats.prefetched -= 1
+                stats.prefetch_cancelled += 1
+                stats.h2d_bytes -= cache.expert_bytes
+            elif cache.mark_unused(slot):
+                stats.prefetch_wasted += 1
+            cache.release(slot)
+        return kept
+
+    def drop(self, cancel: bool) -> Dropped:
+        """Let go of every pin (``cancel``: first drop the copies that have not started). A copy that
+        ran stays in its slot as an unused prediction."""
+        cache = self.cache
+        cancelled = wasted = 0
+        for slots in self._pins.values():
+            for slot in slots:
+                if cancel and cache.cancel_prefetch(slot):
+                    cancelled += 1
+                else:
+                    wasted += cache.mark_unused(slot)
+                cache.release(slot)
+        self._pins.clear()
+        return Dropped(cancelled, wasted)
+
+    def forget(self) -> None:
+        """Forget every pin without releasing it: after ``ExpertCache.abort``, which dropped them all."""
+        self._pins.clear()

@@ -1,0 +1,73 @@
+"""The layer protocol: one call streams a layer's experts through the cache in the order their copies land.
+
+Shapes: P packed elements per expert.
+
+The layer runner (runtime/layer/runner.py) and the policy replay (replay.py) both run a layer this
+way: the ledger settles the layer's prefetch pins (ledger.py), then :func:`stream` acquires the
+layer's experts (hits pinned, misses copied on demand, as many as slots allow), lets the next
+layer's prefetch go behind those demand copies, and hands out one slot at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterator
+
+from moespec.errors import BudgetError
+from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.stats import LayerStats, StatsRecorder
+
+
+def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats, recorder: StatsRecorder,
+           kept: list[int] | None = None, queued: Callable[[], None] | None = None) -> Iterator[tuple[int, int]]:
+    """Yield (expert, slot) for ``experts`` of ``layer`` in the order their copies land.
+
+    Resident experts come first (no wait), then the misses, each group in the given order. Each is
+    yielded once compute may read its slot (the stall is recorded as ``stall_ms``); the slot is
+    released when the next one is asked for, and the freed slot takes the next missing expert: a
+    layer that needs more experts than there are free slots (a prefill touching every expert)
+    streams through a small cache in one pass. Counts hits (and first uses of prefetches), misses
+    and their bytes into ``stats``.
+
+    Args:
+        kept: this layer's prefetch pins the ledger kept (``PrefetchLedger.settle``), released once
+            the layer's own pins hold them.
+        queued: called once the layer's demand copies are queued (the next layer's prefetch goes
+            there, behind them).
+
+    Raises:
+        BudgetError: every slot is pinned and an expert of the layer is still missing.
+    """
+    pending = deque(cache.resident_first(layer, experts))
+    in_flight: deque[tuple[int, int]] = deque()
+    _fill(cache, layer, pending, in_flight, stats)
+    for slot in kept or ():  # now pinned by acquire as well
+        cache.release(slot)
+    if queued is not None:
+        queued()
+    while in_flight:
+        e, slot = in_flight.popleft()
+        recorder.span(stats, "stall_ms", cache.wait(slot))
+        yield e, slot
+        cache.release(slot)
+        _fill(cache, layer, pending, in_flight, stats)
+        if pending and not in_flight:
+            raise BudgetError(
+                f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
+                "raise --cache-experts / --gpu-memory",
+            )
+
+
+def _fill(cache: ExpertCache, layer: int, pending: deque, in_flight: deque, stats: LayerStats) -> None:
+    """Acquire pending experts while slots allow (the stream's refill)."""
+    while pending:
+        got = cache.acquire((layer, pending[0]))
+        if got is None:
+            return
+        in_flight.append((pending.popleft(), got.slot))
+        if got.hit:
+            stats.hits += 1
+            stats.prefetch_used += got.prefetched
+        else:
+            stats.misses += 1
+            stats.h2d_bytes += cache.expert_bytes
