@@ -288,10 +288,7 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
 def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayerPredictor], folder: Path,
              vectors: torch.Tensor | None, progress: Progress | None, shard_bytes: int,
              truncate: bool) -> StatesManifest:
-    from safetensors.torch import save_file
-
-    from moespec.fsutil import atomic_path, atomic_write_text
-    from moespec.integrity import digest_metadata
+    from moespec.fsutil import atomic_write_text
 
     maker = predictors[manifest.input]
     with torch.inference_mode():
@@ -305,9 +302,7 @@ def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayer
         run_collection(om, plan.heldout, _Tee(collector, scorer), collector, "heldout", progress)
         held.flush()
     if vectors is not None:
-        with atomic_path(folder / VECTORS) as tmp:
-            tensors = {"vectors": vectors.float().cpu().contiguous()}
-            save_file(tensors, str(tmp), metadata=digest_metadata(tensors))
+        save_vectors(folder, vectors)
     manifest.tokens, manifest.heldout_tokens = train.rows, held.rows
     manifest.shards = {"train": train.names, "heldout": held.names}
     manifest.baseline = baseline_recall(scorer, maker, manifest.moe_layers)
@@ -364,6 +359,18 @@ def read_manifest(folder: Path) -> StatesManifest | None:
         if (damage := safetensors_damage(Path(folder) / name)) is not None:  # said now, not mid-training
             raise DataError(f"states shard {Path(folder) / name} is {damage}", "drop --reuse-states to collect the states again")
     return manifest
+
+
+def save_vectors(folder: Path, vectors: torch.Tensor) -> None:
+    """Write the [S, E, H] default vectors beside the states (float32, with their checksum), atomically."""
+    from safetensors.torch import save_file
+
+    from moespec.fsutil import atomic_path
+    from moespec.integrity import digest_metadata
+
+    with atomic_path(Path(folder) / VECTORS) as tmp:
+        tensors = {"vectors": vectors.float().cpu().contiguous()}
+        save_file(tensors, str(tmp), metadata=digest_metadata(tensors))
 
 
 def read_vectors(folder: Path) -> torch.Tensor | None:
