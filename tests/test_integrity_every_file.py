@@ -20,55 +20,41 @@ import torch
 
 import writers
 from moespec.errors import CalibrationError, DataError
+from moespec.estimator.collect import load_shard, read_vectors, save_vectors
 from moespec.integrity import DIGEST_KEY, digest_metadata, per_tensor_digests, with_digest
+from moespec.predict.calibration_file import load_calibration
+from moespec.predict.estimator_file import load_estimator
 
 CACHE = "not used (rebuilt)"
 
 
-def _calibration_read(path: Path) -> str | None:
-    from moespec.predict.calibration_file import load_calibration
-
+def _why(read, error: type, *args) -> str | None:
+    """None when ``read(*args)`` takes the file, else the one message of the ``error`` it raised."""
     try:
-        load_calibration(path)
-    except CalibrationError as exc:
+        read(*args)
+    except error as exc:
         return exc.message
     return None
+
+
+def _calibration_read(path: Path) -> str | None:
+    return _why(load_calibration, CalibrationError, path)
 
 
 def _estimator_read(path: Path) -> str | None:
-    from moespec.predict.estimator_file import load_estimator
-
-    try:
-        load_estimator(path)
-    except CalibrationError as exc:
-        return exc.message
-    return None
+    return _why(load_estimator, CalibrationError, path)
 
 
 def _shard_read(path: Path) -> str | None:
-    from moespec.estimator.collect import load_shard
-
-    try:
-        load_shard(path, [0], keys=("state", "logits"))
-    except DataError as exc:
-        return exc.message
-    return None
+    return _why(load_shard, DataError, path, [0], ("state", "logits"))
 
 
 def _vectors_write(path: Path) -> None:
-    from moespec.estimator.collect import save_vectors
-
     save_vectors(path.parent, torch.randn(3, 4, 8))
 
 
 def _vectors_read(path: Path) -> str | None:
-    from moespec.estimator.collect import read_vectors
-
-    try:
-        assert read_vectors(path.parent) is not None
-    except DataError as exc:
-        return exc.message
-    return None
+    return _why(lambda folder: read_vectors(folder).shape, DataError, path.parent)  # None (no file) fails too
 
 
 class _Layout:
