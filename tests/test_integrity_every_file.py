@@ -199,3 +199,23 @@ def test_nan_or_inf_written_with_a_valid_checksum_is_refused(written, value):
 
     _reseal(path, poison)
     _refused(kind, path, "NaN", "infinite", "not finite")
+
+
+def test_the_scales_bit_test_agrees_with_isfinite():
+    """The quantised store's fast finiteness test (exponent bits) against torch.isfinite, over float16
+    bit patterns of every kind: finite (subnormals, -0, the largest), NaN (quiet, signalling, signed), ±inf."""
+    from moespec.runtime.host.quant_store import _scales_finite, scales_finite_reference
+
+    gen = torch.Generator().manual_seed(1)
+    special = [0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x3C00, 0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0x7FFF]
+    for trial in range(200):
+        buf = torch.randint(0, 256, (3, 4, 16), dtype=torch.uint8, generator=gen)
+        scales = buf[..., :4].view(torch.int16)  # [3, 4, 2] the two float16 scales of every row
+        scales.copy_(torch.tensor(0x3C00, dtype=torch.int16))  # 1.0 everywhere ...
+        if trial % 4:  # ... then some rows get a special pattern (a quarter of the trials stay all finite)
+            for _ in range(1 + trial % 3):
+                m, e, k = (int(torch.randint(0, d, (1,), generator=gen)) for d in (3, 4, 2))
+                pick = special[int(torch.randint(0, len(special), (1,), generator=gen))]
+                scales[m, e, k] = pick - 0x10000 if pick >= 0x8000 else pick
+        store = _Store(buf)
+        assert _scales_finite(store) == scales_finite_reference(store), scales
