@@ -209,3 +209,14 @@ def test_json_output_never_holds_nan(tiny_models, monkeypatch):
     obj = json.loads(r.stdout.strip().splitlines()[-1], parse_constant=refuse)
     assert obj["stats"]["weighted_recall"] is None and obj["stats"]["tpot_ms"] is None
     assert json_safe({"a": [1.0, math.nan], "b": (math.inf,)}) == {"a": [1.0, None], "b": [None]}
+
+
+def test_a_profile_report_never_holds_nan(tmp_path):
+    from moespec.profile.report import write_json
+
+    def refuse(name):
+        raise AssertionError(f"{name} in the report")
+
+    write_json(tmp_path / "r.json", {"recall": math.nan, "layers": [{"tpot_ms": math.inf, "hits": 3}]}, force=False)
+    got = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert got == {"recall": None, "layers": [{"tpot_ms": None, "hits": 3}]}
