@@ -1,11 +1,12 @@
 """What checking the quantised store's data costs: QuantStoreCache.load_into with its checks (XXH3-128
-of every row as it is copied in, finite scales) against the same copy loop without them.
+of every block of rows, hashed on a worker thread while the next block is copied in; finite scales)
+against the same copy loop hashing inline (the checks without the overlap) and without any check.
 
-Interleaved, one pair per round in alternating order (ABBA: neither side always runs first), on the
-default model's cached int4 store (build it first with `moespec chat --expert-dtype int4 --prompt hi`).
-Also times the checks alone (the XXH3-128 of the rows and the finite-scales check, over the loaded
-store), which is what the checked load adds. Prints the medians and their ratio, and one JSON line.
-Run it under the exclusive CPU lock for numbers worth quoting.
+Interleaved on the default model's cached int4 store (build it first with `moespec chat --expert-dtype
+int4 --prompt hi`): each round runs the three once, in an order that rotates from round to round, so
+no variant always runs first. Also times the checks alone (hash + scales over the loaded store) and
+the whole model load (load_offloaded with the int4 store from the cache). Prints the medians and
+ratios, and one JSON line. Run it under the exclusive CPU lock for numbers worth quoting.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import time
 
 import torch
 
+from moespec.integrity import new_hasher, tensor_header, update
 from moespec.models.registry import adapter_for
 from moespec.paths import DEFAULT_MODEL_FOLDER, models_dir
 from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow, safetensors_files
-from moespec.integrity import new_hasher, tensor_header, update
 from moespec.runtime.host.quant_store import TENSOR, QuantStoreCache, _scales_finite
 from moespec.runtime.host.store import ExpertStore
 
 
-def unchecked(cache: QuantStoreCache, store: ExpertStore) -> None:
-    """load_into's copy loop alone (the reference: what loading cost before the checks)."""
+def copy_loop(cache: QuantStoreCache, store: ExpertStore, hash_inline: bool) -> None:
+    """load_into's copy loop without the worker thread: hashing each block inline, or not at all
+    (the reference: what loading cost before the checks)."""
     buf = store.buffer
+    hasher = new_hasher()
+    tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
     step = max(1, WINDOW_BYTES // buf.shape[2])
     with MappingWindow(cache.path) as window:
         for m in range(buf.shape[0]):
@@ -34,6 +38,11 @@ def unchecked(cache: QuantStoreCache, store: ExpertStore) -> None:
                 block = buf[m, e: e + step]
                 block.copy_(window.handle().get_slice(TENSOR)[m, e: e + block.shape[0]])
                 window.count(block.numel())
+                if hash_inline:
+                    update(hasher, block)
+    if hash_inline:
+        hasher.hexdigest()
+        assert _scales_finite(store)
 
 
 def checks_alone(store: ExpertStore) -> None:
@@ -47,44 +56,10 @@ def checks_alone(store: ExpertStore) -> None:
     assert _scales_finite(store)
 
 
-def _ms(fn, *args) -> float:
+def _ms(fn) -> float:
     t = time.perf_counter()
-    fn(*args)
+    fn()
     return (time.perf_counter() - t) * 1e3
-
-
-def main(rounds: int = 20) -> None:
-    from transformers import AutoConfig
-
-    path = models_dir() / DEFAULT_MODEL_FOLDER
-    adapter = adapter_for(AutoConfig.from_pretrained(path))
-    layout = adapter.layout(torch.float32, "int4", None)
-    moe_layers = list(range(AutoConfig.from_pretrained(path).num_hidden_layers))
-    store = ExpertStore(moe_layers, adapter.num_experts(), layout, torch.float32, pin=False, device=torch.device("cpu"))
-    cache = QuantStoreCache.for_store(path, safetensors_files(path), store)
-    assert cache.load_into(store), f"no valid cached store at {cache.path}"
-    checked_ms, plain_ms, checks_ms = [], [], []
-    for i in range(rounds):
-        if i % 2 == 0:
-            checked_ms.append(_ms(cache.load_into, store))
-            plain_ms.append(_ms(unchecked, cache, store))
-        else:
-            plain_ms.append(_ms(unchecked, cache, store))
-            checked_ms.append(_ms(cache.load_into, store))
-        checks_ms.append(_ms(checks_alone, store))
-    ratios = [c / p for c, p in zip(checked_ms, plain_ms)]
-    out = {"store_bytes": store.buffer.numel(), "rounds": rounds, "checked_ms_median": statistics.median(checked_ms),
-           "unchecked_ms_median": statistics.median(plain_ms), "ratio_median": statistics.median(ratios),
-           "ratio_min": min(ratios), "ratio_max": max(ratios), "checks_alone_ms_median": statistics.median(checks_ms),
-           "checks_alone_share": statistics.median(checks_ms) / statistics.median(plain_ms)}
-    print(f"store {out['store_bytes'] / 1e6:.1f} MB: load_into {out['checked_ms_median']:.1f} ms with checks, "
-          f"{out['unchecked_ms_median']:.1f} ms without; ratio {out['ratio_median']:.3f} "
-          f"({out['ratio_min']:.3f}-{out['ratio_max']:.3f}); the checks alone {out['checks_alone_ms_median']:.1f} ms "
-          f"({100 * out['checks_alone_share']:.1f} % of the unchecked load)")
-    out["model_load_ms_median"] = _model_load_ms(path)
-    print(f"the whole model load (load_offloaded, int4 store from the cache): {out['model_load_ms_median']:.0f} ms; "
-          f"the checks are {100 * out['checks_alone_ms_median'] / out['model_load_ms_median']:.1f} % of it")
-    print(json.dumps(out))
 
 
 def _model_load_ms(path, rounds: int = 3) -> float:
@@ -99,6 +74,40 @@ def _model_load_ms(path, rounds: int = 3) -> float:
         times.append((time.perf_counter() - t) * 1e3)
         om.close()
     return statistics.median(times)
+
+
+def main(rounds: int = 21) -> None:
+    from transformers import AutoConfig
+
+    path = models_dir() / DEFAULT_MODEL_FOLDER
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    layout = adapter.layout(torch.float32, "int4", None)
+    store = ExpertStore(list(range(config.num_hidden_layers)), adapter.num_experts(), layout, torch.float32,
+                        pin=False, device=torch.device("cpu"))
+    cache = QuantStoreCache.for_store(path, safetensors_files(path), store)
+    assert cache.load_into(store), f"no valid cached store at {cache.path}"
+    variants = {"load_into": lambda: cache.load_into(store), "inline": lambda: copy_loop(cache, store, True),
+                "unchecked": lambda: copy_loop(cache, store, False)}
+    names = list(variants)
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    checks = []
+    for i in range(rounds):
+        for n in names[i % 3:] + names[: i % 3]:
+            ms[n].append(_ms(variants[n]))
+        checks.append(_ms(lambda: checks_alone(store)))
+    med = {n: statistics.median(v) for n, v in ms.items()}
+    ratio = {n: statistics.median([a / b for a, b in zip(ms[n], ms["unchecked"])]) for n in ("load_into", "inline")}
+    out = {"store_bytes": store.buffer.numel(), "rounds": rounds, "ms_median": med, "ratio_median": ratio,
+           "load_into_ratio_range": [min(a / b for a, b in zip(ms["load_into"], ms["unchecked"])),
+                                     max(a / b for a, b in zip(ms["load_into"], ms["unchecked"]))],
+           "checks_alone_ms_median": statistics.median(checks), "model_load_ms_median": _model_load_ms(path)}
+    print(f"store {out['store_bytes'] / 1e6:.1f} MB, median of {rounds} rounds: unchecked copy "
+          f"{med['unchecked']:.1f} ms; load_into (checks overlapped) {med['load_into']:.1f} ms, ratio "
+          f"{ratio['load_into']:.3f}; hashing inline {med['inline']:.1f} ms, ratio {ratio['inline']:.3f}; "
+          f"the checks alone {out['checks_alone_ms_median']:.1f} ms; the whole model load "
+          f"{out['model_load_ms_median']:.0f} ms")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
