@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,21 +110,13 @@ class QuantStoreCache:
             hasher = new_hasher()
             tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
             step = max(1, WINDOW_BYTES // buf.shape[2])  # rows per window
-            # Each block is hashed on a worker thread while the next one is copied in (xxhash and
-            # torch's copy both release the GIL): the check then costs little beyond the copy. One
-            # block at a time, in file order: the digest is that of the whole tensor.
-            with MappingWindow(self.path) as window, ThreadPoolExecutor(1, "quant-store-check") as pool:
-                hashed = None
+            with MappingWindow(self.path) as window:
                 for m in range(buf.shape[0]):
                     for e in range(0, buf.shape[1], step):
                         block = buf[m, e : e + step]  # [<=step, P]
                         block.copy_(window.handle().get_slice(TENSOR)[m, e : e + block.shape[0]])
+                        update(hasher, block)  # rows in file order: the digest of the whole tensor
                         window.count(block.numel())
-                        if hashed is not None:
-                            hashed.result()
-                        hashed = pool.submit(update, hasher, block)
-                if hashed is not None:
-                    hashed.result()
         except Exception:  # safetensors raises its own errors for truncated/corrupt files: rebuild
             return False
         return hasher.hexdigest() == want and _scales_finite(store)
