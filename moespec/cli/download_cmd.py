@@ -56,6 +56,8 @@ file exist. Never uses the network.
   moespec models --json | jq '.[].model_id'
 
   moespec models --expert-dtype int4 --group-size 64   (expert sizes as int4)
+
+  moespec models --clean     (remove what interrupted writes and downloads left behind)
 """
 
 
@@ -164,7 +166,9 @@ def _print_plan(console: Console, plan) -> None:
         console.print(f"  [yellow]warning:[/] moespec cannot run {model_type!r} yet; downloading anyway (--force)")
     n_fetch, n_cached = len(plan.to_fetch), len(plan.cached)
     cached = f" ({n_cached} already on disk)" if n_cached else ""
-    console.print(f"  {n_fetch} of {len(plan.files.wanted)} files to fetch, {format_bytes(plan.fetch_bytes)}{cached}")
+    resumed = f", {format_bytes(plan.partial_bytes)} of it already on disk (resumed)" if plan.partial_bytes else ""
+    console.print(f"  {n_fetch} of {len(plan.files.wanted)} files to fetch, {format_bytes(plan.fetch_bytes)}{cached}"
+                  f"{resumed}")
     if plan.files.skipped:
         shown = ", ".join(plan.files.skipped[:4]) + (" ..." if len(plan.files.skipped) > 4 else "")
         console.print(f"  skipping {len(plan.files.skipped)} file(s) moespec does not use: {shown}")
@@ -178,9 +182,10 @@ def _fetch_with_progress(console: Console, plan, token: Optional[str]) -> Path:
     columns = (TextColumn("  downloading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("download", total=max(plan.fetch_bytes, 1) if plan.to_fetch else 1)
+        todo = max(plan.fetch_bytes - plan.partial_bytes, 1)  # what crosses the network
+        task = progress.add_task("download", total=todo if plan.to_fetch else 1)
         folder = download_model(plan, token=token, on_bytes=lambda done: progress.update(task, completed=done))
-        progress.update(task, completed=max(plan.fetch_bytes, 1))
+        progress.update(task, completed=todo)
     return folder
 
 
@@ -219,19 +224,28 @@ def models(
     as_json: bool = Flag("--json", help="Print one JSON list instead of a table."),
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    clean: bool = Flag("--clean", help="Remove what interrupted writes left behind (temp files, unfinished "
+                                       "downloads and builds, estimator states of a killed collection) and "
+                                       "say how many bytes that freed. Files being written are never touched."),
 ) -> None:
+    from moespec.cleanup import find_leftovers
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir
     from moespec.paths import display_path, models_dir
 
-    found = _with_expert_dtype(list_local_models(), expert_dtype, group_size)
     console = Console(highlight=False)
+    if clean:
+        _clean(console, find_leftovers(), as_json)
+        return
+    found = _with_expert_dtype(list_local_models(), expert_dtype, group_size)
+    leftovers = find_leftovers()
     if as_json:
         typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
         return
     if not found:
         console.print(f"no models in {display_path(hub_cache_dir())} or {display_path(models_dir())}")
         console.print("get one with `moespec download Qwen/Qwen3-30B-A3B` (or `moespec download --default`)")
+        _print_reclaimable(console, leftovers)
         return
     own = [m for m in found if m.source == "moespec"]
     hub = [m for m in found if m.source == "hub"]
@@ -245,6 +259,33 @@ def models(
                 console.print(table)
     console.print("[dim]MODEL (chat, calibrate, profile): the first column · calib/estim: "
                   "calibration and estimator files · paths: moespec models --json[/]")
+    _print_reclaimable(console, leftovers)
+
+
+def _print_reclaimable(console: Console, leftovers: list) -> None:
+    if leftovers:
+        from moespec.hub.sizes import format_bytes
+
+        total = sum(item.bytes for item in leftovers)
+        console.print(f"reclaimable: {format_bytes(total)} in {_plural(len(leftovers), 'leftover')} of interrupted "
+                      "writes and downloads (`moespec models --clean` removes them)")
+
+
+def _clean(console: Console, leftovers: list, as_json: bool) -> None:
+    """Remove ``leftovers`` (cleanup.find_leftovers) and say what went and how many bytes that freed."""
+    from moespec.cleanup import clean
+    from moespec.hub.sizes import format_bytes
+    from moespec.paths import display_path
+
+    freed = clean(leftovers)
+    if as_json:
+        typer.echo(json.dumps({"removed": [{"path": str(i.path), "bytes": i.bytes, "kind": i.kind} for i in leftovers],
+                               "freed_bytes": freed}, indent=2))
+        return
+    for item in leftovers:
+        console.print(f"  {format_bytes(item.bytes):>10}  {item.kind}: {display_path(item.path)}", soft_wrap=True)
+    console.print(f"removed {_plural(len(leftovers), 'leftover')}, {format_bytes(freed)} freed" if leftovers
+                  else "nothing to clean: no leftovers of interrupted writes or downloads")
 
 
 def _models_tables(title: str, group: list, width: int):
@@ -289,7 +330,7 @@ def _model_json(m) -> dict:
         "expert_bytes": s.expert_bytes if s else None, "expert_format": _expert_format(s) if s else None,
         "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
-        "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
+        "has_calibration": m.has_calibration, "has_estimator": m.has_estimator, "partial_bytes": m.partial_bytes,
         "quant": getattr(s, "quant", None) or None,
     }
 

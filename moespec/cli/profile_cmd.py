@@ -281,9 +281,6 @@ def _resolve(model: Optional[str]) -> tuple[Path, str]:
     return ensure_default_model(err_console), "moespec default model"
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
 def _tokenizer(path: Path):
     """The model's tokenizer, or None when the folder has none (then the prompt is seeded random ids).
 
@@ -291,7 +288,9 @@ def _tokenizer(path: Path):
     """
     from transformers import AutoTokenizer
 
-    if not any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
+    from moespec.model_check import TOKENIZER_FILES
+
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
         return AutoTokenizer.from_pretrained(path)

@@ -7,6 +7,7 @@ breakdown, and whether a calibration and an estimator file exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class LocalModel:
         status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
             (no safetensors weights or missing shards, e.g. an interrupted download).
         has_calibration / has_estimator: the derived files exist (moespec.artifacts).
+        partial_bytes: bytes of unfinished downloads of this repo (``blobs/*.incomplete``), counted
+            in ``disk_bytes`` too; the next `moespec download` resumes them.
     """
 
     model_id: str
@@ -51,6 +54,7 @@ class LocalModel:
     status: str
     has_calibration: bool
     has_estimator: bool
+    partial_bytes: int = 0
 
     @property
     def runnable(self) -> bool:
@@ -108,12 +112,16 @@ def _hub_models(cache_dir: Path) -> list[LocalModel]:
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
         if repo.repo_type != "model":
             continue
+        # scan_cache_dir counts only finished blobs; a killed download's parts are on disk too
+        partial = sum(p.stat().st_size for p in (Path(repo.repo_path) / "blobs").glob("*.incomplete"))
         for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
             refs = tuple(sorted(rev.refs))
             if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():  # a GGUF repo, or not a transformers model
                 out += _hub_gguf_models(repo.repo_id, refs, rev.commit_hash, Path(rev.snapshot_path))
                 continue
-            out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
+            model = _describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path),
+                              rev.size_on_disk + partial)
+            out.append(dataclasses.replace(model, partial_bytes=partial))
     return out
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from moespec.errors import OptionError, UnsupportedModelError
+from moespec.units import format_bytes, format_bytes_short  # noqa: F401  (their home before moespec.units)
 
 # Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
 # refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host.memory).
@@ -327,26 +328,6 @@ def _group(group_size: int | None) -> int:
                           f"{', '.join(map(str, QUANT_GROUPS[:-1]))} or {QUANT_GROUPS[-1]}",
                           f"use --group-size {DEFAULT_GROUP_SIZE}")
     return group
-
-
-def _decimal_bytes(n: int, below: float, fmt: str) -> str:
-    """``n`` bytes in the largest decimal unit that keeps the value under ``below``, as ``fmt``."""
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < below or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:{fmt}} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_bytes(n: int) -> str:
-    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
-    return _decimal_bytes(n, 1000, ".2f")
-
-
-def format_bytes_short(n: int) -> str:
-    """``n`` bytes with 3 significant digits, for narrow table columns: ``702 MB``, ``66.4 MB``, ``6.14 kB``."""
-    return _decimal_bytes(n, 999.5, ".3g")  # 999.5 rounds to 1e3 at 3 digits: the next unit instead
 
 
 def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:

@@ -153,12 +153,11 @@ def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int
         try:
             seed = load_seed(path, cfg.calibration_path, top_k, config, [r.layer for r in refs],
                              [r.block.gate.weight for r in refs])
-        except CalibrationError:
+        except CalibrationError as exc:
             if cfg.cache_policy is not None:
                 raise
-            key = model_key(path)
-            note = (f"the calibration file of {key} was made for another model: cache policy lru, not "
-                    f"{policy.value} (run `moespec calibrate {key}`)")
+            key = model_key(path)  # the error says why (another model's, truncated, corrupt): not guessed here
+            note = f"{exc.message}; cache policy lru, not {policy.value} (run `moespec calibrate {key}`)"
             policy = CachePolicy.LRU
     return partial(make_rule, policy, seed, slots, top_k), note
 
@@ -190,7 +189,10 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from moespec.model_check import check_config
+
     path = Path(path)
+    check_config(path, cfg.dtype)  # config.json faults in one line, not in transformers' traceback
     source = open_source(path)
     device = resolve_device(cfg.device)
     config = source.config()
@@ -232,12 +234,11 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         saved = QuantStoreCache.for_store(path, source.fingerprint, store)  # None when the layout is not quantised
         from_cache = saved is not None and saved.load_into(store)
         _load_weights(model, adapter, store, source, device, dtype, read_experts=not from_cache)
-        if saved is not None and not from_cache:
-            saved.save(store)
+        unsaved = saved.save(store) if saved is not None and not from_cache else None  # a note, never fatal
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
         predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-        notes = [n for n in (note, _kernel_note(device, cfg)) if n]
+        notes = [n for n in (note, unsaved, _kernel_note(device, cfg)) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
