@@ -23,6 +23,7 @@ from moespec.errors import CalibrationError, DataError
 from moespec.integrity import json_safe, safetensors_damage
 from moespec.runtime.load import load_offloaded
 from moespec.runtime.host.quant_store import QuantStoreCache, cache_path
+from moespec.runtime.host.source import SafetensorsSource
 
 runner = CliRunner()
 
@@ -66,7 +67,7 @@ def test_a_flipped_byte_in_the_cached_int4_store_is_detected_and_rebuilt(model, 
 
 def test_nan_scales_in_the_cached_store_are_rebuilt(model, monkeypatch):
     first = _int4(model)
-    saved = QuantStoreCache.for_store(model, sorted(model.glob("*.safetensors")), first.store)
+    saved = QuantStoreCache.for_store(model, SafetensorsSource(model).fingerprint, first.store)
     bad = first.store.buffer.clone()
     bad[0, 0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # the first float16 scale: NaN
 

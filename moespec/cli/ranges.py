@@ -135,6 +135,8 @@ OPTIONS: dict[str, Range] = {
     "--gpu-memory": Range(int, 1, 2**44, why="a size such as 2GiB", parse=_bytes, show=_size),
     "--group-size": Range(int, 1, 2**20, why="it must also divide I*H, checked when the model loads"),
     "--max-new-tokens": Range(int, 1, 1_000_000),
+    "--max-gen-toks": Range(int, 1, 1_000_000),
+    "--max-n": Range(int, 1, 128, why="OpenAI's limit for n"),
     "--temperature": Range(float, 0, 1000, why="0 = greedy"),
     "--top-p": Range(float, 0, 1, low_open=True),
     "--seed": Range(int, 0, 2**63 - 1),

@@ -116,10 +116,6 @@ def serve(
     _check_positive(max_body_bytes, "--max-body-bytes", 1)
     _check_positive(max_new_tokens, "--max-new-tokens", 1)
     _check_positive(max_n, "--max-n", 1)
-    if max_n > 128:
-        from moespec.errors import OptionError
-
-        raise OptionError(f"--max-n {max_n} must be at most 128 (OpenAI's limit for n)")
     set_threads(threads)
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
