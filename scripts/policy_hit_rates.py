@@ -4,8 +4,8 @@ Teacher-forces held-out text token by token through the default model (every exp
 the routing is the model's own), records the routing of each decode step, then replays it through
 the runtime's ExpertCache (runtime/cache/replay.py) for each policy and cache size: on-demand, with the
 router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
-rule. Prints a table (hit rate; copies per token and wasted predictions at 25 %) and one JSON
-line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
+rule. Prints a table (hit rate; beside it Belady's MIN, the offline bound, for the same mode and
+sizes: runtime/cache/belady.py; copies per token and wasted predictions at 25 %) and one JSON line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
 calibration seed per decode step, JSON) and ``--trace FILE`` replays a saved one without running
 the model. Usage:
 
@@ -86,6 +86,7 @@ def _steps(raw: list) -> list[dict[int, list[int]]]:
 
 def main() -> None:
     from moespec.config import CachePolicy
+    from moespec.runtime.cache.belady import BeladyRule
     from moespec.runtime.cache.eviction import make_rule
     from moespec.runtime.cache.replay import replay
 
@@ -103,23 +104,26 @@ def main() -> None:
     trace, k, total = _steps(data["trace"]), data["top_k"], data["experts"]
     seed = {(layer, e): p for layer, e, p in data["seed"]}
     modes = (("on-demand", None), ("router", _steps(data["router"])), ("oracle", trace))
-    rows = {}
-    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}")
-    print(f"{'policy':>7} {'mode':>9} " + " ".join(f"{f:>6.1%}" for f in (0.125, 0.25, 0.5)) + "  copies/token @25%")
+    fracs = (0.125, 0.25, 0.5)
+    sizes = [int(total * f) for f in fracs]
+
+    def run(rule, p, slots):
+        return replay(trace, slots, rule, p, prefetch_slots=k if p else 0)
+
+    bound = {mode: [run(partial(BeladyRule, trace), p, s).hit_rate() for s in sizes] for mode, p in modes}
+    rows = {f"min/{mode}": {"hit_rate": rates} for mode, rates in bound.items()}
+    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}; right of |: Belady's MIN (offline bound)")
+    head = " ".join(f"{f:>5.1%}" for f in fracs)
+    print(f"{'policy':>6} {'mode':>9} {head} | {head}  copies@25% (wasted)")
     for policy in CachePolicy:
         for mode, p in modes:
-            rates = []
-            for frac in (0.125, 0.25, 0.5):
-                slots = int(total * frac)
-                res = replay(trace, slots, partial(make_rule, policy, seed, slots, k), p, prefetch_slots=k if p else 0)
-                rates.append(res.hit_rate())
-                if frac == 0.25:
-                    copies = res.copies_per_step()
-                    wasted = res.wasted / res.steps
-            rows[f"{policy.value}/{mode}"] = {"hit_rate": rates, "copies_per_token_25": copies,
-                                              "wasted_per_token_25": wasted}
-            print(f"{policy.value:>7} {mode:>9} " + " ".join(f"{r:6.3f}" for r in rates)
-                  + f"  {copies:6.1f} (wasted {wasted:.1f})")
+            results = [run(partial(make_rule, policy, seed, s, k), p, s) for s in sizes]
+            rates = [r.hit_rate() for r in results]
+            copies, wasted = results[1].copies_per_step(), results[1].wasted / results[1].steps
+            rows[f"{policy.value}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound[mode],
+                                              "copies_per_token_25": copies, "wasted_per_token_25": wasted}
+            print(f"{policy.value:>6} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + " | "
+                  + " ".join(f"{r:5.3f}" for r in bound[mode]) + f"  {copies:6.1f} ({wasted:.1f})")
     print(json.dumps({"tokens": len(trace), "results": rows}))
 
 
