@@ -112,10 +112,6 @@ def serve(
 
         raise OptionError(f"--host {host} is reachable from other machines but no API key is set",
                           "pass --api-key KEY (or set MOESPEC_API_KEY), or keep --host 127.0.0.1")
-    _check_positive(max_queue, "--max-queue", 0)
-    _check_positive(max_body_bytes, "--max-body-bytes", 1)
-    _check_positive(max_new_tokens, "--max-new-tokens", 1)
-    _check_positive(max_n, "--max-n", 1)
     set_threads(threads)
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
@@ -131,13 +127,6 @@ def serve(
                              default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,
                              cors_origins=tuple(cors_origin or ()))
     run_server(model, cfg, settings, host, port)
-
-
-def _check_positive(value: int, flag: str, least: int) -> None:
-    if value < least:
-        from moespec.errors import OptionError
-
-        raise OptionError(f"{flag} {value} must be at least {least}")
 
 
 def served_name(model: Optional[str], path) -> str:
