@@ -22,6 +22,8 @@ from typing import Callable
 from moespec.errors import CalibrationError
 from moespec.paths import display_path, models_dir, moespec_home
 
+# The file in a folder moespec prepared for a GGUF model that says which GGUF it is (moespec.gguf).
+GGUF_SOURCE_FILE = "moespec-gguf.json"
 # Files carried inside a model folder (found too, for folders moved between machines).
 CALIBRATION_BESIDE_MODEL = "moespec-calibration.safetensors"
 ESTIMATOR_BESIDE_MODEL = "moespec-estimator.safetensors"
@@ -29,8 +31,12 @@ ESTIMATOR_BESIDE_MODEL = "moespec-estimator.safetensors"
 
 def model_key(model_path: str | Path) -> str:
     """The id a model folder is known by: ``org/name`` for a Hub cache snapshot, the folder name for a
-    model moespec built (in ``moespec.paths.models_dir()``), else its absolute path."""
+    model moespec built (in ``moespec.paths.models_dir()``), the GGUF's key (its path, or
+    ``org/repo:QUANT``) for a folder moespec prepared for a GGUF, else its absolute path."""
     path = Path(os.path.abspath(Path(model_path).expanduser()))
+    gguf = _gguf_key(path)
+    if gguf is not None:
+        return gguf
     parts = path.parts
     for i in range(len(parts) - 2):
         if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
@@ -38,6 +44,19 @@ def model_key(model_path: str | Path) -> str:
     if path.parent == Path(os.path.abspath(models_dir())):
         return path.name
     return str(path)
+
+
+def _gguf_key(folder: Path) -> str | None:
+    """The key recorded in a folder moespec prepared for a GGUF (moespec.gguf.sidecar), or None."""
+    import json
+
+    marker = folder / GGUF_SOURCE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        return str(json.loads(marker.read_text(encoding="utf-8"))["key"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def legacy_model_key(model_path: str | Path) -> str:

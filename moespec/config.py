@@ -123,6 +123,8 @@ class RuntimeConfig:
             "int8" / "int4" quantises the experts group-wise while the checkpoint streams in (rows moved
             packed, dequantised after each copy; GPT-OSS refuses them).
         group_size: weights per scale/zero point of int8/int4 experts (``--group-size``); None = default.
+        requantize: with int8/int4, quantise experts that a GGUF already stores quantised (``--requantize``:
+            dequantised, then quantised again); without it that is refused.
         on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
         host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
         prediction_gate: exact and guarded layers predict only while prefetching measurably pays
@@ -143,6 +145,7 @@ class RuntimeConfig:
     estimator_path: str | None = None
     expert_dtype: str = "auto"
     group_size: int | None = None
+    requantize: bool = False
     cache_policy: CachePolicy | None = None
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None

@@ -32,7 +32,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moespec.data import heldout_text
-    from moespec.default_model.build import WINDOW_TOKENS
+    from moespec.default_model.recipe import WINDOW_TOKENS
     from moespec.default_model.gates import eval_windows, perplexity
     from moespec.models import adapter_for
     from moespec.models.quant_layout import QuantLayout, fake_quantize_experts_

@@ -53,6 +53,7 @@ class RequestLog:
     path: str
     range: str | None
     authorization: str | None
+    sent: int = 0  # body bytes sent (CDN GETs)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class FakeHub:
 
     Attributes:
         truncate_once: file names whose first CDN GET sends half the body, then drops the connection.
+        stall_once: file name -> bytes: its first CDN GET sends that many bytes of the body, then
+            hangs (a download to kill mid-file).
         fail_always: file names whose CDN GET answers 500 (a download that cannot finish).
         requests: every request received, in order.
     """
@@ -68,6 +71,7 @@ class FakeHub:
     repos: dict[str, FakeRepo]
     lifetime_s: float = 120.0
     truncate_once: set[str] = field(default_factory=set)
+    stall_once: dict[str, int] = field(default_factory=dict)
     fail_always: set[str] = field(default_factory=set)
     requests: list[RequestLog] = field(default_factory=list)
 
@@ -164,10 +168,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self) -> None:
         url = urlsplit(self.path)
+        self.log = RequestLog(self.role, self.command, url.path, self.headers.get("Range"),
+                              self.headers.get("authorization"))
         with self.hub._lock:
-            self.hub.requests.append(
-                RequestLog(self.role, self.command, url.path, self.headers.get("Range"), self.headers.get("authorization"))
-            )
+            self.hub.requests.append(self.log)
         if self.role == "cdn":
             return self._cdn(url.path)
         parts = url.path.strip("/").split("/")
@@ -268,6 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub._lock:
             truncate = name in self.hub.truncate_once and self.command == "GET"
             self.hub.truncate_once.discard(name)
+            stall = self.hub.stall_once.pop(name, None) if self.command == "GET" else None
         body = data[start:]
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body)))
@@ -279,10 +284,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if truncate:  # half the body, then the connection drops: the client must resume with Range
             self.wfile.write(body[: len(body) // 2])
+            self.log.sent = len(body) // 2
             self.wfile.flush()
             self.close_connection = True
             return
+        if stall is not None:  # part of the body, then nothing until the client is killed
+            self.wfile.write(body[:stall])
+            self.log.sent = stall
+            self.wfile.flush()
+            threading.Event().wait(self.hub.lifetime_s)
+            self.close_connection = True
+            return
         self.wfile.write(body)
+        self.log.sent = len(body)
 
 
 # -- the tiny checkpoints ---------------------------------------------------------------------

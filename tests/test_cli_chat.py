@@ -173,7 +173,7 @@ def test_ctrl_c_or_ctrl_d_at_the_prompt_exits_cleanly(tiny_models, monkeypatch):
     r = _chat(tiny_models["mixtral"], input="")  # Ctrl-D: end of input
     assert r.exit_code == 0, r.output
 
-    def interrupted():
+    def interrupted(reader):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(chat_cmd, "_read_line", interrupted)

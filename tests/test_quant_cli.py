@@ -8,7 +8,6 @@ from typer.testing import CliRunner
 
 from hub_fake_server import fake_hub, hub_cache  # noqa: F401
 from moespec.cli.app import app
-from moespec.models.quant_layout import QuantLayout
 
 runner = CliRunner()
 
@@ -29,17 +28,18 @@ def test_models_reports_int4_expert_bytes(hub_cache):
     cfg = _built_model()
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
     (plain,) = json.loads(runner.invoke(app, ["models", "--json"]).output)
-    r = runner.invoke(app, ["models", "--json", "--expert-dtype", "int4", "--group-size", "16"])
+    r = runner.invoke(app, ["models", "--json", "--expert-dtype", "int4", "--group-size", "32"])
     assert r.exit_code == 0, r.output
     (quant,) = json.loads(r.output)
-    row = QuantLayout(hidden=h, intermediate=i, bits=4, group_size=16).numel
-    assert quant["expert_bytes"] == row and quant["expert_format"] == "int4 (groups of 16)"
+    used = 3 * h * i // 2 + (2 * i * -(-h // 32) + h * -(-i // 32)) * 3  # codes + (scale, zero) per row group
+    row = used + (-used) % 16
+    assert quant["expert_bytes"] == row and quant["expert_format"] == "int4 (groups of 32)"
     assert plain["expert_bytes"] == 3 * h * i * 4 and plain["expert_format"] == "float32"
     assert quant["zero_cache_h2d_bytes_per_token"] * plain["expert_bytes"] == \
         plain["zero_cache_h2d_bytes_per_token"] * row
 
 
 def test_download_prints_int8_sizes(fake_hub, hub_cache):
-    r = runner.invoke(app, ["download", "tiny/qwen3-moe", "--expert-dtype", "int8", "--group-size", "16"])
+    r = runner.invoke(app, ["download", "tiny/qwen3-moe", "--expert-dtype", "int8", "--group-size", "32"])
     assert r.exit_code == 0, r.output
-    assert "experts as   int8 (groups of 16)" in r.output
+    assert "experts as   int8 (groups of 32)" in r.output

@@ -66,7 +66,8 @@ def test_changed_checkpoint_rebuilds_the_store(model, monkeypatch):
 def test_other_group_size_has_its_own_file_and_corrupt_files_rebuild(model):
     a = _load(model)
     b = _load(model, group_size=32)
-    assert b.store.expert_bytes > a.store.expert_bytes  # twice the scales and zeros
+    # rows of at most 32 columns (H = 32, I = 16): one group per row either way, so the same bytes
+    assert b.store.expert_bytes == a.store.expert_bytes
     assert cache_path(model, a.store.layout).is_file()
     path = cache_path(model, b.store.layout)
     assert path.name == "int4-g32.safetensors"
@@ -76,8 +77,9 @@ def test_other_group_size_has_its_own_file_and_corrupt_files_rebuild(model):
     assert path.stat().st_size > 100
 
 
-def test_group_size_must_divide_the_expert_projections(model):
-    with pytest.raises(OptionError, match="--group-size 24 does not divide the 512 weights") as info:
+def test_group_size_must_be_one_the_kernels_take(model):
+    with pytest.raises(OptionError, match="--group-size 24 is not supported: the low-bit kernels take 32, 64, "
+                                          "128 or 256") as info:
         _load(model, group_size=24)
     assert info.value.hint == "use --group-size 64"
 
@@ -104,7 +106,7 @@ def test_cli_prints_one_line_error_for_a_bad_group_size(model):
     r = CliRunner().invoke(app, ["chat", str(model), "-p", "hi", "--max-new-tokens", "2", "--device", "cpu",
                                  "--expert-dtype", "int4", "--group-size", "24"])
     assert r.exit_code == 2
-    assert "error: --group-size 24 does not divide the 512 weights" in r.output
+    assert "error: --group-size 24 is not supported: the low-bit kernels take 32, 64, 128 or 256" in r.output
     assert "Traceback" not in r.output
 
 
@@ -113,3 +115,25 @@ def test_cli_chat_runs_with_int8_experts(model):
                                  "--expert-dtype", "int8", "--group-size", "32", "--json"])
     assert r.exit_code == 0, r.output
     assert cache_path(model, quant_layout.QuantLayout(hidden=32, intermediate=16, bits=8, group_size=32)).is_file()
+
+
+def test_an_older_row_format_is_rebuilt_never_misread(model):
+    """A file written by the format before groups along rows (2) has the same size and name: it is
+    quantised again and rewritten, never loaded as the new layout."""
+    import json
+
+    from safetensors import safe_open
+
+    import moespec.runtime.host.quant_store as qsc
+
+    first = _load(model)
+    path = cache_path(model, first.store.layout)
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata()[qsc.META_KEY])
+    assert meta["format"] == qsc.FORMAT == 3
+    garbage = torch.full_like(first.store.buffer, 7)  # what an old layout's bytes would be read as
+    save_file({qsc.TENSOR: garbage}, path, metadata={qsc.META_KEY: json.dumps({**meta, "format": 2})})
+    second = _load(model)
+    assert torch.equal(second.store.buffer, first.store.buffer)
+    with safe_open(str(path), framework="pt") as fh:
+        assert json.loads(fh.metadata()[qsc.META_KEY])["format"] == 3

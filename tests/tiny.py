@@ -60,8 +60,8 @@ def make_config(family: str, hidden: int = 32, inter: int = 16, layers: int = 3,
         return Qwen3MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=experts,
                               head_dim=hidden // 4, norm_topk_prob=True, **common)
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(intermediate_size=2 * inter, moe_intermediate_size=inter, num_experts=experts,
-                              shared_expert_intermediate_size=2 * inter, **common)
+        return Qwen2MoeConfig(**{"intermediate_size": 2 * inter, "moe_intermediate_size": inter, "num_experts": experts,
+                                 "shared_expert_intermediate_size": 2 * inter, **common})
     if family == "mixtral":
         return MixtralConfig(intermediate_size=inter, num_local_experts=experts, **common)
     if family == "olmoe":
@@ -94,16 +94,13 @@ def _make_deepseek_config(family: str, hidden: int, inter: int, experts: int, co
     raise ValueError(family)
 
 
-def make_checkpoint(folder: Path, family: str, seed: int = 0, shard_size: str | None = None, **cfg) -> Path:
-    """Write a tiny random model of ``family`` + tokenizer into ``folder``; returns ``folder``.
-
-    Routers get a larger init so that routing differs clearly between tokens.
-    """
+def random_model(family: str, seed: int = 0, **cfg):
+    """A tiny random transformers model of ``family`` (float32); routers get a larger init so that
+    routing differs clearly between tokens."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = make_config(family, **cfg)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(make_config(family, **cfg), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if name.endswith(("gate.weight", "router.weight")) else 0.08)
@@ -112,6 +109,15 @@ def make_checkpoint(folder: Path, family: str, seed: int = 0, shard_size: str | 
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3/GLM: selection-only bias
                 b.normal_(0, 0.3)
+    return model
+
+
+def make_checkpoint(folder: Path, family: str, seed: int = 0, shard_size: str | None = None, **cfg) -> Path:
+    """Write a tiny random model of ``family`` + tokenizer into ``folder``; returns ``folder``.
+
+    Routers get a larger init so that routing differs clearly between tokens.
+    """
+    model = random_model(family, seed, **cfg)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, **kwargs)
     make_tokenizer(folder)

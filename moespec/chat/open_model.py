@@ -29,7 +29,7 @@ class OpenedModel:
 
     def describe(self, cfg: RuntimeConfig) -> str:
         """One line: layers, experts, slots, device, predictor (for a start-up message)."""
-        from moespec.models.quant_layout import expert_format
+        from moespec.gguf.layout import row_format as expert_format
 
         om = self.engine.om
         return (f"{self.path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
@@ -52,9 +52,8 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
         ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError,
         OptionError: from resolving and loading the checkpoint.
     """
-    from transformers import AutoTokenizer
-
     from moespec.hub.resolve import resolve_model
+    from moespec.model_check import load_tokenizer
     from moespec.runtime.engine import Engine
     from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
@@ -70,5 +69,6 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
         path = ensure_default_model(console)
     else:
         path = resolve_model(model)
+    tokenizer = load_tokenizer(path, cfg.dtype)  # a broken config or tokenizer: said before the weights load
     om = load_offloaded(path, cfg, StatsRecorder())  # wires the recorder's synchronize to the engine
-    return OpenedModel(Engine(om), AutoTokenizer.from_pretrained(path), Path(path))
+    return OpenedModel(Engine(om), tokenizer, Path(path))

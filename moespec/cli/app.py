@@ -11,7 +11,7 @@ import logging
 
 import typer
 
-from moespec.cli.common import HelpFlag
+from moespec.cli.common import HelpFlag, MoespecGroup
 # transformers imports torchao whenever it is installed (moespec[quant], for --expert-dtype int8/int4);
 # on a CPU-only torch, torchao logs a warning for each optional CUDA kernel it cannot load, and torch
 # one for each enum torchao registers. Neither concerns moespec: keep them out of the terminal.
@@ -26,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     add_help_option=False,  # HelpFlag below: the same --help without typer's "<bool>" type column
+    cls=MoespecGroup,  # a wrong-type option value is one line, as every other bad value
 )
 
 

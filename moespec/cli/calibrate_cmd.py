@@ -60,14 +60,13 @@ def calibrate(
     import time
     from pathlib import Path
 
-    from transformers import AutoTokenizer
-
     from moespec.calibrate.data import load_text_source, plan_chunks
     from moespec.artifacts import default_calibration_path
     from moespec.predict.calibration_file import ensure_writable, save_calibration
     from moespec.calibrate.run import CalibrateConfig
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
+    from moespec.model_check import load_tokenizer
     from moespec.runtime.load import load_offloaded
 
     set_threads(threads)
@@ -83,19 +82,14 @@ def calibrate(
     source = load_text_source(data, seed)  # bad data fails before the model loads
     path = _resolve(model)
     target = ensure_writable(Path(out) if out else default_calibration_path(path))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        from moespec.errors import CheckpointError
-
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
-                              "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
+    tokenizer = load_tokenizer(path, rcfg.dtype)
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
     for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
     om = load_offloaded(path, rcfg)
     try:
         _check_context(om, cfg.seq_len)
+        _check_room(om, target)
         err_console.print(f"[dim]{path.name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
                           f"(top-{om.adapter.top_k()}) on {om.device}, {om.cache.num_slots} cache slots; "
                           f"{plan.calib_tokens} calibration + {plan.heldout_tokens} held-out tokens "
@@ -132,6 +126,15 @@ def _resolve(model: Optional[str]):
 
         raise OptionError("the embedded default model is not part of this build", "pass MODEL (a folder or Hub id)") from None
     return ensure_default_model(err_console)
+
+
+def _check_room(om, target) -> None:
+    """Refuse now, not after the run, a calibration file the disk cannot hold (its size is known)."""
+    from moespec.calibrate.collect import VARIANTS
+    from moespec.fsutil import check_free_space
+
+    m, e, h = len(om.store.moe_layers), om.store.num_experts, om.store.layout.hidden
+    check_free_space(target, m * e * h * 4 * len(VARIANTS) + m * e * 8 + 65536)  # vectors, frequencies, header
 
 
 def _check_context(om, seq_len: int) -> None:

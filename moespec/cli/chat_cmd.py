@@ -12,7 +12,7 @@ import typer
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
-                                print_notes, register_command, set_threads)
+                                print_notes, register_command, Requantize, set_threads)
 
 HELP = """Chat with an MoE model whose experts are offloaded to host memory.
 
@@ -71,6 +71,7 @@ def chat(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    requantize: bool = Requantize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
@@ -97,6 +98,7 @@ def chat(
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
+        requantize=requantize,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)
@@ -158,7 +160,10 @@ def _open_session(model, cfg, sampling, system, quiet: bool):
 def _one_shot(session, prompt: str, json_out: bool, out) -> None:
     if json_out:
         text = "".join(session.send(prompt))
-        print(json.dumps({"text": text, "stats": asdict(session.last.summary)}))
+        from moespec.integrity import json_safe
+
+        # JSON has no NaN: a value that is not a number (recall without a prediction) is null
+        print(json.dumps(json_safe({"text": text, "stats": asdict(session.last.summary)}), allow_nan=False))
         return
     try:
         for piece in session.send(prompt):
@@ -171,10 +176,10 @@ def _one_shot(session, prompt: str, json_out: bool, out) -> None:
     err_console.print(f"[dim]{_footer(session)}[/]")
 
 
-def _read_line() -> Optional[str]:
-    """One line from stdin; None at end of input (Ctrl-D). Ctrl-C raises KeyboardInterrupt."""
-    line = sys.stdin.readline()
-    return line if line else None
+def _read_line(reader) -> Optional[str]:
+    """One line from ``reader`` (cli/line_editor.py); None at end of input (Ctrl-D) or Ctrl-C at an
+    empty prompt. From a pipe, Ctrl-C raises KeyboardInterrupt."""
+    return reader.read()
 
 
 def _repl(session, out) -> None:
@@ -186,13 +191,14 @@ def _repl(session, out) -> None:
     """
     from rich.markup import escape
 
+    from moespec.cli.line_editor import line_reader, undecodable
     from moespec.errors import MoespecError
 
     err_console.print("[dim]/help lists the commands · Ctrl-C stops an answer · /exit quits[/]")
+    reader = line_reader(out)
     while True:
-        out.print("[bold]>[/] ", end="")
         try:
-            line = _read_line()
+            line = _read_line(reader)
         except KeyboardInterrupt:
             line = None
         if line is None:  # Ctrl-D / Ctrl-C at the prompt
@@ -200,6 +206,11 @@ def _repl(session, out) -> None:
             return
         line = line.strip()
         if not line:
+            continue
+        bad = undecodable(line)
+        if bad is not None:  # not sent: the model would get lone surrogates, the template fails on them
+            err_console.print(f"[red]error:[/] the line is not valid UTF-8 (byte 0x{bad:02x}); nothing was sent",
+                              highlight=False)
             continue
         try:
             if line.startswith("/") and not line.startswith("//"):

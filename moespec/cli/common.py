@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 from rich.markup import escape
 
 from moespec.config import DEFAULT_FETCH_THRESHOLD, GuardRule
@@ -33,16 +34,44 @@ def handles_errors(fn: F) -> F:
         except MoespecError as exc:
             if os.environ.get("MOESPEC_DEBUG"):
                 raise
-            # escape: messages hold paths and pip specs like moespec[plot], which are not markup
-            err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
-            if exc.hint:
-                err_console.print(f"[yellow]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
+            print_error(exc)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted; nothing partial was written")
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def print_error(exc: MoespecError) -> None:
+    """The error line (and its hint line) of a MoespecError, on stderr."""
+    # escape: messages hold paths and pip specs like moespec[plot], which are not markup
+    err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
+    if exc.hint:
+        err_console.print(f"[yellow]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
+
+
+class MoespecGroup(TyperGroup):
+    """The `moespec` command group: a value of the wrong type for an option (``--threads abc``) is one
+    error line naming the flag and its range (cli/ranges.py), like every other bad value, instead of
+    Click's usage box."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as exc:
+            if os.environ.get("MOESPEC_DEBUG"):
+                raise
+            from moespec.cli.ranges import range_of
+
+            opts = getattr(exc.param, "opts", None) or [exc.param_hint or "an option"]
+            flag = max(opts, key=len)
+            spec = range_of(ctx.invoked_subcommand or "", flag)
+            allowed = f"; it must be {spec.text()}" if spec is not None else ""
+            why = exc.message.rstrip(".")
+            print_error(MoespecError(f"{flag}: {why[:1].lower()}{why[1:]}{allowed}",
+                                     f"see `moespec {ctx.invoked_subcommand} --help`" if ctx.invoked_subcommand else ""))
+            raise typer.Exit(2) from None
 
 
 def Flag(*decls: str, help: str) -> Any:  # noqa: N802 (reads like typer.Option)
@@ -82,16 +111,32 @@ def register_command(app: typer.Typer, name: str, help: str, fn: Callable) -> No
     """Add ``fn`` to ``app`` as command ``name``, with a --help flag that renders like our other flags.
 
     The callback gets one more keyword parameter (the --help flag; typer fills it with its default,
-    which is dropped here); everything else about ``fn`` is unchanged.
+    which is dropped here), and checks every numeric option against its range (cli/ranges.py)
+    before ``fn`` runs; everything else about ``fn`` is unchanged.
     """
+
+    from moespec.cli.ranges import check_options, range_of
+
+    sig = inspect.signature(fn)
+    numeric = {}  # parameter -> flag, for every option with a range (cli/ranges.py)
+    for param in sig.parameters.values():
+        long = [d.split("/")[0] for d in getattr(param.default, "param_decls", None) or () if d.startswith("--")]
+        if long and range_of(name, long[0]) is not None:
+            numeric[param.name] = long[0]
 
     @functools.wraps(fn)
     def command(*args, **kwargs):
         kwargs.pop("help_", None)
+        try:  # every numeric option in range before the command body runs (no model loads first)
+            check_options(name, {flag: kwargs.get(param) for param, flag in numeric.items()})
+        except MoespecError as exc:
+            if os.environ.get("MOESPEC_DEBUG"):
+                raise
+            print_error(exc)
+            raise typer.Exit(exc.exit_code) from None
         return fn(*args, **kwargs)
 
     help = reflow(help)
-    sig = inspect.signature(fn)
     extra = inspect.Parameter("help_", inspect.Parameter.KEYWORD_ONLY, default=HelpFlag, annotation=bool)
     command.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])  # type: ignore[attr-defined]
     app.command(name, help=help, add_help_option=False)(command)
@@ -105,10 +150,16 @@ Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, 
 ExpertDtype = typer.Option("auto", "--expert-dtype",
                            help="auto keeps the checkpoint's experts (GPT-OSS MXFP4 stays packed); int8 / int4 "
                                 "quantises them group-wise at load (~0.26x / ~0.14x the float32 bytes, cached "
-                                "for the next start); experts move packed and are dequantised after each copy. "
-                                "A float dtype (= --dtype) dequantises MXFP4 once at load.")
+                                "for the next start); experts move packed and are dequantised after each copy, "
+                                "or computed packed by the CPU kernels. w8a8 / w4a8: the same rows, and the "
+                                "CPU kernels quantise activations to int8 too (faster, not exact). A float "
+                                "dtype (= --dtype) dequantises MXFP4 once at load.")
+Requantize = Flag("--requantize",
+                  help="With --expert-dtype int8/int4 on a GGUF whose experts are already quantised: "
+                               "dequantise and quantise them again (without it that is refused).")
 GroupSize = typer.Option(None, "--group-size",
-                         help="int8/int4: weights per scale and zero point (default 64); must divide I*H.")
+                         help="int8/int4: columns of a weight row per scale and zero point: 32, 64 "
+                              "(default), 128 or 256.")
 LinkGbps = typer.Option(None, "--link-gbps", help="Emulated host-to-device link in GB/s (CPU only).")
 CachePolicyOpt = typer.Option(
     None, "--cache-policy",
@@ -128,8 +179,10 @@ OnMissOpt = typer.Option("fetch", "--on-miss",
                               "measured link and compute costs).")
 HostThreads = typer.Option(None, "--host-threads",
                            help="Worker threads computing misses on the host (--on-miss host/auto); "
-                                "default: from the free cores (CUDA keeps two for the launcher).")
-ModelArg = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model.")
+                                "default: the cores torch's threads leave free (CPU), all but two, at most 8 "
+                                "(CUDA: the launcher and the copy pump keep theirs).")
+ModelArg = typer.Argument(None, help="Local folder, .gguf file or Hub id in the local cache (REPO:QUANT picks a "
+                                           "GGUF quant); default: the embedded model.")
 Data = typer.Option(None, "--data", help="A .txt file, a folder of .txt, or a .jsonl with a \"text\" field.")
 HeldoutTokens = typer.Option(None, "--heldout-tokens", help="Held-out tokens for recall; default tokens/10.")
 SeqLen = typer.Option(512, "--seq-len", help="Tokens per chunk (one prefill pass each).")
@@ -139,7 +192,9 @@ EstimatorPath = typer.Option(None, "--estimator",
 PredictorOpt = typer.Option("router", "--predictor", help="none, router, quasi, estimator or hybrid.")
 ExecuteOpt = typer.Option("exact", "--execute",
                           help="exact, speculative or guarded. exact equals transformers' default experts "
-                               "implementation at the same dtype (top-k outputs summed in float32, rounded once).")
+                               "implementation at the same dtype (top-k outputs summed in float32, rounded once; "
+                               "experts on the CPU compute in the model dtype, float32 sums in another order, "
+                               "except with --expert-dtype w8a8/w4a8, whose int8 activations are not exact).")
 CalibrationPath = typer.Option(None, "--calibration",
                                help="Calibration file for --predictor quasi (default: found automatically).")
 Threads = typer.Option(None, "--threads",
@@ -156,7 +211,7 @@ def print_notes(notes: list[str]) -> None:
     """Print the loader's one-line notes (e.g. a stale calibration file's fallback) on stderr, so
     even ``--json`` output stays only the answer."""
     for note in notes:
-        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False)
+        err_console.print(f"note: {note}", style="yellow", highlight=False, markup=False, soft_wrap=True)
 
 
 def default_threads() -> int | None:

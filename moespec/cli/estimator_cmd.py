@@ -70,7 +70,6 @@ def train_estimator(
     seed: int = Seed,
 ) -> None:
     import shutil
-    import time
     from pathlib import Path
 
     from moespec.calibrate.data import load_text_source
@@ -79,12 +78,9 @@ def train_estimator(
     from moespec.config import ExecuteMode, Predictor
     from moespec.estimator.collect import read_manifest
     from moespec.artifacts import default_estimator_path
-    from moespec.predict.estimator_file import save_estimator
     from moespec.estimator.hybrid import HybridConfig
-    from moespec.estimator.run import (EstimatorConfig, find_model_calibration, fit,
-                                       input_kind, prepare_states)
+    from moespec.estimator.run import EstimatorConfig
     from moespec.estimator.train import TrainConfig
-    from moespec.runtime.load import load_offloaded
 
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
     cfg = EstimatorConfig(
@@ -107,7 +103,22 @@ def train_estimator(
     folder = Path(states_dir).expanduser() if states_dir else _default_states_dir(path)
     plan = None
     if not (reuse_states and read_manifest(folder) is not None):
-        plan = _plan(path, source, cfg, asked)
+        plan = _plan(path, source, cfg, asked, rcfg.dtype)
+    try:
+        _train(path, rcfg, cfg, calibration, plan, folder, reuse_states, source, target, keep_states)
+    finally:  # Ctrl-C or an error included: states nobody asked to keep never stay behind
+        if not (keep_states or reuse_states):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _train(path, rcfg, cfg, calibration, plan, folder, reuse_states: bool, source, target, keep_states: bool) -> None:
+    """Load the model, collect (or reuse) the states, train, write the file and show the result."""
+    import time
+
+    from moespec.estimator.run import find_model_calibration, fit, input_kind, prepare_states
+    from moespec.predict.estimator_file import save_estimator
+    from moespec.runtime.load import load_offloaded
+
     om = load_offloaded(path, rcfg)
     try:
         if cfg.seq_len > om.max_context():
@@ -131,8 +142,6 @@ def train_estimator(
     finally:
         om.close()
     save_estimator(target, outcome.file)
-    if not (keep_states or reuse_states):
-        shutil.rmtree(folder, ignore_errors=True)
     _render(outcome, reused, t1 - t0, t2 - t1, target, folder if (keep_states or reuse_states) else None)
 
 
@@ -181,17 +190,11 @@ def _default_states_dir(path):
     return moespec_home() / "estimator-states" / sanitize_model_id(model_key(path))
 
 
-def _plan(path, source, cfg, asked: bool):
-    from transformers import AutoTokenizer
-
+def _plan(path, source, cfg, asked: bool, dtype: str = "auto"):
     from moespec.calibrate.data import plan_chunks
-    from moespec.errors import CheckpointError
+    from moespec.model_check import load_tokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot load the tokenizer of {path}: {exc}",
-                              "the model folder needs its tokenizer files (tokenizer.json or similar)") from exc
+    tokenizer = load_tokenizer(path, dtype)
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
     for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)

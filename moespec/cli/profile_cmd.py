@@ -241,7 +241,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
                               "pass --gpu-memory or --cache-experts to profile offloading")
-        from moespec.models.quant_layout import expert_format
+        from moespec.gguf.layout import row_format as expert_format
 
         err_console.print(
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
@@ -300,9 +300,6 @@ def _resolve(model: Optional[str]) -> tuple[Path, str]:
     return ensure_default_model(err_console), "moespec default model"
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
 def _tokenizer(path: Path):
     """The model's tokenizer, or None when the folder has none (then the prompt is seeded random ids).
 
@@ -310,7 +307,9 @@ def _tokenizer(path: Path):
     """
     from transformers import AutoTokenizer
 
-    if not any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
+    from moespec.model_check import TOKENIZER_FILES
+
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
         return AutoTokenizer.from_pretrained(path)

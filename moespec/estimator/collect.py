@@ -21,9 +21,11 @@ split always runs every layer, because it scores the parameter-free predictors a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -124,13 +126,15 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         from moespec.fsutil import atomic_path
+        from moespec.integrity import per_tensor_digests
 
         if not self._pending_rows:
             return
         name = f"{self.split}-{len(self.names):05d}.safetensors"
         tensors = {k: torch.cat(v).contiguous() for k, v in self._parts.items()}
-        with atomic_path(self.folder / name) as tmp:
-            save_file(tensors, str(tmp))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        with atomic_path(self.folder / name, size=size) as tmp:
+            save_file(tensors, str(tmp), metadata=per_tensor_digests(tensors))  # load_shard checks what it reads
         self.names.append(name)
         self.rows += self._pending_rows
         self._parts, self._bytes, self._pending_rows = {}, 0, 0
@@ -138,14 +142,32 @@ class ShardWriter:
 
 def load_shard(path: Path, layers: list[int], keys: tuple[str, ...] = ("state", "logits", "ids", "weights"),
                device: torch.device | str = "cpu") -> dict[str, dict[int, torch.Tensor]]:
-    """key -> layer -> rows of one shard (only the keys and layers asked for)."""
-    from safetensors import safe_open
+    """key -> layer -> rows of one shard (only the keys and layers asked for), checked against the
+    shard's checksums.
 
+    Raises:
+        DataError: the shard is truncated, unreadable, or its data differs from its checksums.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from moespec.integrity import mismatched, nonfinite, safetensors_damage
+
+    redo = "drop --reuse-states to collect the states again"
+    damage = safetensors_damage(Path(path))
+    if damage is not None:
+        raise DataError(f"states shard {path} is {damage}", redo)
     out: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        for k in keys:
-            for layer in layers:
-                out[k][layer] = f.get_tensor(f"{k}/{layer}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            read = {f"{k}/{layer}": f.get_tensor(f"{k}/{layer}") for k in keys for layer in layers}
+            bad = mismatched(f.metadata(), read)
+    except (SafetensorError, OSError) as exc:
+        raise DataError(f"states shard {path} is not readable ({exc})", redo) from exc
+    if bad or (bad := nonfinite(read)):
+        raise DataError(f"states shard {path} is corrupt: {bad[0]} does not match its checksum or is not finite", redo)
+    for name, t in read.items():
+        k, layer = name.rsplit("/", 1)
+        out[k][int(layer)] = t.to(device)
     return out
 
 
@@ -243,13 +265,31 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         truncate: end each training forward at the last target layer's router (the fast path);
             False runs every layer (the slow reference). Both write the same rows.
     """
-    from safetensors.torch import save_file
-
-    from moespec.fsutil import atomic_path, atomic_write_text
+    from moespec.tempfiles import lock_fd
+    from moespec.fsutil import check_free_space
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    clear_states(folder)
+    lock = lock_fd(folder)  # `moespec models --clean` leaves a collection that runs alone
+    try:
+        clear_states(folder)  # what a killed collection left
+        check_free_space(folder, states_bytes(plan, manifest))  # said before the collection, not after it
+        return _collect(om, plan, manifest, predictors, folder, vectors, progress, shard_bytes, truncate)
+    except BaseException:  # Ctrl-C, a full disk: shards without a manifest are never reused, so go now
+        clear_states(folder)
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayerPredictor], folder: Path,
+             vectors: torch.Tensor | None, progress: Progress | None, shard_bytes: int,
+             truncate: bool) -> StatesManifest:
+    from moespec.fsutil import atomic_write_text
+
     maker = predictors[manifest.input]
     with torch.inference_mode():
         train = ShardWriter(folder, "train", shard_bytes)
@@ -262,13 +302,20 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
         run_collection(om, plan.heldout, _Tee(collector, scorer), collector, "heldout", progress)
         held.flush()
     if vectors is not None:
-        with atomic_path(folder / VECTORS) as tmp:
-            save_file({"vectors": vectors.float().cpu().contiguous()}, str(tmp))
+        save_vectors(folder, vectors)
     manifest.tokens, manifest.heldout_tokens = train.rows, held.rows
     manifest.shards = {"train": train.names, "heldout": held.names}
     manifest.baseline = baseline_recall(scorer, maker, manifest.moe_layers)
     atomic_write_text(folder / MANIFEST, json.dumps(asdict(manifest), indent=1, allow_nan=True))
     return manifest
+
+
+def states_bytes(plan, manifest: StatesManifest) -> int:
+    """Bytes the states of ``plan``'s chunks take on disk: per token and served layer a bf16 state [H],
+    the true logits [E] (f32), ids [K] (i64) and weights [K] (f32)."""
+    tokens = sum(len(c) for c in [*plan.calib, *plan.heldout])
+    row = manifest.hidden * 2 + manifest.experts * 4 + manifest.top_k * 12
+    return tokens * len(manifest.layers) * row
 
 
 def baseline_recall(scorer, predictor: NextLayerPredictor, moe_layers: list[int]) -> dict[str, list[float]]:
@@ -306,12 +353,48 @@ def read_manifest(folder: Path) -> StatesManifest | None:
     if missing:
         raise DataError(f"states folder {folder} lacks {len(missing)} shard(s), e.g. {missing[0]}",
                         "drop --reuse-states to collect the states again")
+    from moespec.integrity import safetensors_damage
+
+    for name in [n for names in manifest.shards.values() for n in names]:
+        if (damage := safetensors_damage(Path(folder) / name)) is not None:  # said now, not mid-training
+            raise DataError(f"states shard {Path(folder) / name} is {damage}", "drop --reuse-states to collect the states again")
     return manifest
 
 
+def save_vectors(folder: Path, vectors: torch.Tensor) -> None:
+    """Write the [S, E, H] default vectors beside the states (float32, with their checksum), atomically."""
+    from safetensors.torch import save_file
+
+    from moespec.fsutil import atomic_path
+    from moespec.integrity import digest_metadata
+
+    with atomic_path(Path(folder) / VECTORS) as tmp:
+        tensors = {"vectors": vectors.float().cpu().contiguous()}
+        save_file(tensors, str(tmp), metadata=digest_metadata(tensors))
+
+
 def read_vectors(folder: Path) -> torch.Tensor | None:
-    """[S, E, H] default vectors saved with the states (None for input "router")."""
-    from safetensors.torch import load_file
+    """[S, E, H] default vectors saved with the states (None for input "router").
+
+    Raises:
+        DataError: the file is damaged (truncated, checksum, NaN/Inf).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from moespec.integrity import nonfinite, safetensors_damage, verify_digest
 
     path = Path(folder) / VECTORS
-    return load_file(str(path))["vectors"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    damage = safetensors_damage(path)
+    try:
+        if damage is None:
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {"vectors": f.get_tensor("vectors")}
+                if verify_digest(f.metadata(), tensors) is False or nonfinite(tensors):
+                    damage = "corrupt: its data does not match its checksum or is not finite"
+    except (SafetensorError, OSError) as exc:
+        damage = f"unreadable ({exc})"
+    if damage is not None:
+        raise DataError(f"{path} is {damage}", "drop --reuse-states to collect the states again")
+    return tensors["vectors"]

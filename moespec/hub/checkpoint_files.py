@@ -84,6 +84,13 @@ def select_files(paths: Iterable[str], model: str, index: dict | None = None) ->
             formats the repo has, e.g. only .bin or GGUF); shards named by the index are missing.
     """
     all_paths = sorted(set(paths))
+    ggufs = [p for p in all_paths if p.endswith(".gguf") and not p.rsplit("/", 1)[-1].startswith("mmproj")]
+    if CONFIG_FILE not in all_paths and ggufs:
+        from moespec.gguf.files import quant_of
+
+        quants = sorted({quant_of(p) for p in ggufs} - {""})
+        raise CheckpointError(f"{model} is a GGUF repo ({', '.join(quants) or len(ggufs)} files) with no config.json",
+                              f"pick one quant: `moespec download {model} --quant {quants[0] if quants else 'Q4_K_M'}`")
     if CONFIG_FILE not in all_paths:
         raise CheckpointError(
             f"{model} has no config.json at its root, so it is not a transformers checkpoint",
@@ -123,11 +130,19 @@ def local_files(folder: Path) -> list[str]:
 
 
 def check_local_checkpoint(folder: Path, model: str) -> CheckpointFiles:
-    """Check that ``folder`` holds a runnable checkpoint and return its files.
+    """Check that ``folder`` holds a runnable checkpoint and return its files (a GGUF repo's snapshot
+    or a folder moespec prepared for a GGUF is accepted as it is: moespec.gguf checks those).
 
     Raises:
         CheckpointError: see :func:`select_files`; also an unreadable index.
     """
+    from moespec.gguf import SOURCE_FILE
+
+    if (folder / SOURCE_FILE).is_file():  # prepared by moespec for a GGUF: the weights are the GGUF's
+        return CheckpointFiles(meta=[p for p in local_files(folder) if _is_meta(p)], weights=[])
+    present = local_files(folder)
+    if CONFIG_FILE not in present and any(p.endswith(".gguf") for p in present):  # a GGUF repo's snapshot
+        return CheckpointFiles(meta=[p for p in present if _is_meta(p)], weights=sorted(p for p in present if p.endswith(".gguf")))
     index = None
     index_path = folder / INDEX_FILE
     if index_path.is_file():
@@ -135,4 +150,4 @@ def check_local_checkpoint(folder: Path, model: str) -> CheckpointFiles:
             index = json.loads(index_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{index_path} is not readable JSON: {exc}", "re-download the model") from exc
-    return select_files(local_files(folder), model, index)
+    return select_files(present, model, index)

@@ -8,8 +8,8 @@ Two steps so that nothing big moves before we know the model can run:
 
 Resuming: files already in the cache are not fetched again, so re-running after Ctrl-C or a
 network failure continues with the missing files; inside a file, huggingface_hub resumes a broken
-transfer with an HTTP Range request. (A partial file left by a killed process is discarded by
-huggingface_hub ≥ 2, so that one file restarts from zero.)
+transfer with an HTTP Range request, and a part left by a killed process is finished from where it
+stopped (moespec.hub.resume), so a second run moves only the missing bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +42,9 @@ class DownloadPlan:
         config: the parsed config.json.
         sizes: the config-derived size breakdown; None for a model_type without a size rule (--force).
         local_dir: target folder instead of the Hub cache, or None.
+        file_etags: every wanted file's blob etag (LFS: its SHA-256; else its git blob id).
+        partial_bytes: bytes of wanted files already on disk in parts a killed download left
+            (moespec.hub.resume finishes them; they do not cross the network again).
     """
 
     repo_id: str
@@ -53,6 +56,8 @@ class DownloadPlan:
     config: dict[str, Any]
     sizes: ModelSizes | None
     local_dir: Path | None = None
+    file_etags: dict[str, str] = field(default_factory=dict)
+    partial_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -129,6 +134,7 @@ def plan_download(
     commit = str(info.sha)
     tree = _hub_call(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)), repo_id, revision)
     file_bytes = {f.path: int(f.size) for f in tree if isinstance(f, RepoFile)}
+    etags = {f.path: (f.lfs.sha256 if f.lfs else f.blob_id) for f in tree if isinstance(f, RepoFile)}
     if CONFIG_FILE not in file_bytes:
         select_files(file_bytes, repo_id)  # raises the "no config.json" CheckpointError
 
@@ -147,16 +153,26 @@ def plan_download(
         model_type = check_supported(config, repo_id, force)
         files = select_files(file_bytes, repo_id, fetch_json(INDEX_FILE) if INDEX_FILE in file_bytes else None)
     sizes = model_sizes(config) if model_type in sized_model_types() else None
+    cached = _cached_files(repo_id, commit, files.wanted, local_dir)
+    etags = {f: etags[f] for f in files.wanted if etags.get(f)}
+    wanted_bytes = {f: file_bytes[f] for f in files.wanted}
+    partial = 0
+    if local_dir is None:
+        from moespec.hub.resume import partial_bytes
+
+        partial = partial_bytes(repo_id, etags, wanted_bytes, [f for f in files.wanted if f not in cached])
     return DownloadPlan(
         repo_id=repo_id,
         revision=revision or "main",
         commit=commit,
         files=files,
-        file_bytes={f: file_bytes[f] for f in files.wanted},
-        cached=_cached_files(repo_id, commit, files.wanted, local_dir),
+        file_bytes=wanted_bytes,
+        cached=cached,
         config=config,
         sizes=sizes,
         local_dir=local_dir,
+        file_etags=etags,
+        partial_bytes=partial,
     )
 
 
@@ -177,12 +193,23 @@ def download_model(
     Raises:
         HubUnreachableError, HubAccessError, ModelNotFoundError: as in :func:`plan_download`.
         CheckpointError: the folder lacks files after the download (a shard missing on the Hub).
+        OutputError: the disk cannot hold the files still to fetch (said before any byte moves).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     from moespec.hub.progress import byte_progress_class
+    from moespec.hub.resume import drop_finished_parts, resume_partial_files
 
-    tqdm_class = byte_progress_class(on_bytes or (lambda done: None))
+    from moespec.fsutil import check_free_space
+
+    target = plan.local_dir or Path(constants.HF_HUB_CACHE)
+    check_free_space(target, plan.fetch_bytes - plan.partial_bytes)  # before any byte moves
+    report = on_bytes or (lambda done: None)
+    resumed = 0
+    if plan.local_dir is None and plan.partial_bytes:  # a killed download's parts: only the rest moves
+        resumed = _hub_call(lambda: resume_partial_files(plan.repo_id, plan.commit, plan.to_fetch, plan.file_etags,
+                                                         plan.file_bytes, token, report), plan.repo_id, plan.revision)
+    tqdm_class = byte_progress_class(lambda done: report(resumed + done))
     # The user's revision (not the commit) so that refs/<revision> is recorded in the cache and
     # offline resolution of "org/name" finds this snapshot later.
     path = _hub_call(
@@ -199,5 +226,7 @@ def download_model(
         plan.revision,
     )
     folder = Path(path)
+    if plan.local_dir is None:
+        drop_finished_parts(plan.repo_id, plan.file_etags)  # what earlier killed runs left of these files
     check_local_checkpoint(folder, plan.repo_id)
     return folder

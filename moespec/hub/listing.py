@@ -7,6 +7,7 @@ breakdown, and whether a calibration and an estimator file exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from moespec.hub.checkpoint_files import CONFIG_FILE, check_local_checkpoint
 from moespec.hub.sizes import ModelSizes, model_sizes, sized_model_types
 from moespec.hub.support import SUPPORTED_MODEL_TYPES
 from moespec.errors import CheckpointError, UnsupportedModelError
-from moespec.paths import models_dir
+from moespec.gguf.files import GgufFiles, split_parts
+from moespec.paths import models_dir, moespec_home
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class LocalModel:
 
     Attributes:
         model_id: the Hub id, or the folder path for models moespec built.
-        source: "hub" (Hub cache) or "moespec" (built by moespec, e.g. the default model).
+        source: "hub" (Hub cache), "moespec" (built by moespec, e.g. the default model) or "gguf" (a
+            local .gguf file moespec has run; Hub GGUF repos are "hub", one entry per quant).
         refs: branches/tags pointing at this snapshot (Hub models), e.g. ("main",).
         commit: the snapshot's commit hash ("" for built models).
         path: the folder holding config.json.
@@ -36,6 +39,8 @@ class LocalModel:
         status: "ok" (moespec can run it), "unsupported" (architecture) or "incomplete"
             (no safetensors weights or missing shards, e.g. an interrupted download).
         has_calibration / has_estimator: the derived files exist (moespec.artifacts).
+        partial_bytes: bytes of unfinished downloads of this repo (``blobs/*.incomplete``), counted
+            in ``disk_bytes`` too; the next `moespec download` resumes them.
     """
 
     model_id: str
@@ -49,6 +54,7 @@ class LocalModel:
     status: str
     has_calibration: bool
     has_estimator: bool
+    partial_bytes: int = 0
 
     @property
     def runnable(self) -> bool:
@@ -106,11 +112,16 @@ def _hub_models(cache_dir: Path) -> list[LocalModel]:
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
         if repo.repo_type != "model":
             continue
+        # scan_cache_dir counts only finished blobs; a killed download's parts are on disk too
+        partial = sum(p.stat().st_size for p in (Path(repo.repo_path) / "blobs").glob("*.incomplete"))
         for rev in sorted(repo.revisions, key=lambda r: (not r.refs, sorted(r.refs), r.commit_hash)):
-            if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():
-                continue  # not a transformers model (or config not downloaded)
             refs = tuple(sorted(rev.refs))
-            out.append(_describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path), rev.size_on_disk))
+            if not (Path(rev.snapshot_path) / CONFIG_FILE).is_file():  # a GGUF repo, or not a transformers model
+                out += _hub_gguf_models(repo.repo_id, refs, rev.commit_hash, Path(rev.snapshot_path))
+                continue
+            model = _describe(repo.repo_id, "hub", refs, rev.commit_hash, Path(rev.snapshot_path),
+                              rev.size_on_disk + partial)
+            out.append(dataclasses.replace(model, partial_bytes=partial))
     return out
 
 
@@ -125,11 +136,49 @@ def _built_models(root: Path) -> list[LocalModel]:
 
 
 def list_local_models(cache_dir: Path | None = None) -> list[LocalModel]:
-    """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder.
+    """Every model in the Hub cache (``cache_dir``, default HF_HUB_CACHE) and in moespec's models folder,
+    and the GGUF models among them and moespec has run (one entry per quant set).
 
     Hub models come first, sorted by id; a repo with several cached revisions gives one entry each.
     Never touches the network.
     """
     from moespec.hub.resolve import hub_cache_dir
 
-    return _hub_models(cache_dir or hub_cache_dir()) + _built_models(models_dir())
+    return _hub_models(cache_dir or hub_cache_dir()) + _local_gguf_models() + _built_models(models_dir())
+
+
+def _gguf_row(key: str, source: str, refs: tuple, commit: str, files: GgufFiles):
+    """The LocalModel of one GGUF model known as ``key`` (its sizes: moespec.hub.gguf_repos)."""
+    from moespec.gguf.sidecar import sidecar_dir
+    from moespec.hub.gguf_repos import describe_gguf
+
+    model_type, sizes, status = describe_gguf(files, key)
+    folder = sidecar_dir(key)
+    return LocalModel(model_id=key, source=source, refs=refs, commit=commit, path=files.first, model_type=model_type,
+                      disk_bytes=files.total_bytes, sizes=sizes, status=status,
+                      has_calibration=any(p.is_file() for p in calibration_candidates(folder)),
+                      has_estimator=any(p.is_file() for p in estimator_candidates(folder)))
+
+
+def _hub_gguf_models(repo_id: str, refs: tuple, commit: str, snapshot: Path) -> list:
+    """One row per GGUF model (quant) in a Hub cache snapshot, named ``org/repo:QUANT``."""
+    from moespec.hub.gguf_repos import hub_gguf_sets
+
+    return [_gguf_row(f"{repo_id}:{f.quant}" if f.quant else repo_id, "hub", refs, commit, f) for f in hub_gguf_sets(snapshot)]
+
+
+def _local_gguf_models() -> list:
+    """One row per local .gguf moespec has prepared (named by its path; Hub ones are listed with the Hub's)."""
+    from moespec.gguf.sidecar import read_marker
+
+    root, out = moespec_home() / "gguf", []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        data = read_marker(folder)
+        key = str(data.get("key")) if data else ""
+        if not (os.path.isabs(key) and Path(key).is_file()):
+            continue
+        try:
+            out.append(_gguf_row(key, "gguf", (), "", split_parts(Path(data["checkpoint"]["parts"][0]))))
+        except CheckpointError:  # a split part went missing since
+            continue
+    return out

@@ -1,5 +1,8 @@
 """Resolve MODEL (a local folder or a Hub id) to a folder with config.json + safetensors.
 
+A GGUF model (a .gguf file, a split set, a folder or a cached Hub repo holding one, ``MODEL:QUANT``)
+resolves to the folder moespec prepares for it (moespec.gguf.resolve).
+
 A bare name such as ``smollm2-135m-moe-e16k4`` (the embedded default model) is a model moespec
 built, in ``moespec.paths.models_dir()``. Offline first: a Hub id is looked up in the local Hub cache (``HF_HUB_CACHE``, by default
 ``~/.cache/huggingface/hub``) with no network call at all, so every command runs the same with
@@ -64,7 +67,8 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
     """Return the local folder of ``model``, checked to hold config.json and safetensors weights.
 
     Args:
-        model: a folder path, or a Hub id ("org/name") already in the local Hub cache.
+        model: a folder path, or a Hub id ("org/name") already in the local Hub cache; or a GGUF model
+            (a .gguf path, a folder or cached Hub repo with GGUF files, optionally ``:QUANT``).
         revision: Hub revision (branch, tag or commit); None = the cached "main". Ignored for folders.
 
     Raises:
@@ -73,6 +77,11 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         CheckpointError: the folder or snapshot lacks config.json, has no *.safetensors (e.g. only
             .bin or GGUF weights) or misses shards named by its index (an interrupted download).
     """
+    from moespec.gguf.resolve import resolve_gguf
+
+    gguf = resolve_gguf(model, revision)  # a .gguf file, split set, folder or Hub repo holding one
+    if gguf is not None:
+        return gguf
     path = Path(model).expanduser()
     if path.is_dir():
         check_local_checkpoint(path, model)
@@ -84,7 +93,7 @@ def resolve_model(model: str, revision: str | None = None) -> Path:
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise ModelNotFoundError(
             f"model folder {model} {what}",
-            "pass a folder with config.json and *.safetensors, or a Hub id like Qwen/Qwen3-30B-A3B",
+            "pass a folder with config.json and *.safetensors, a .gguf file, or a Hub id like Qwen/Qwen3-30B-A3B",
         )
     folder = cached_snapshot(model, revision)
     if folder is None:

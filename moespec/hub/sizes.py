@@ -15,9 +15,10 @@ Families that differ:
     (first_k_dense_replace, or mlp_layer_types); n_shared_experts × moe_intermediate_size shared
     (dense) width; the router's e_score_correction_bias is a buffer and not counted; an MTP layer
     beyond num_hidden_layers (V3) is not counted: transformers does not build it.
-With ``expert_dtype`` int8 / int4 every other family's experts count as moespec quantises them at load
-(moespec.models.quant_layout): codes (1 or 1/2 byte per weight) + a float16 scale and a uint8 zero
-point per group of ``group_size`` weights, the row padded to 16 bytes.
+With ``expert_dtype`` int8 / int4 (or w8a8 / w4a8, the same rows) every other family's experts count
+as moespec quantises them at load (moespec.models.quant_layout): codes (1 or 1/2 byte per weight) +
+a float16 scale and a uint8 zero point per group of ``group_size`` columns of each weight row
+(gate/up rows of H columns, down rows of I), the row padded to 16 bytes.
 Each family has a ``_count_<family>`` returning :class:`ParamCounts`, a test against the transformers
 model built from a tiny config (tests/test_hub_sizes.py), and an entry in ``_FAMILIES``.
 """
@@ -28,12 +29,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from moespec.errors import OptionError, UnsupportedModelError
+from moespec.units import format_bytes, format_bytes_short  # noqa: F401  (their home before moespec.units)
 
 # Host RAM the runtime keeps free beyond the weights (Python, torch, tokenizer, I/O buffers); the load
 # refuses to start below experts (+ dense on CPU) + this (moespec.runtime.host.memory).
 HOST_HEADROOM_BYTES = 512 * 2**20
 
-QUANT_BITS = {"int8": 8, "int4": 4}  # --expert-dtype values quantised at load
+QUANT_BITS = {"int8": 8, "int4": 4, "w8a8": 8, "w4a8": 4}  # --expert-dtype values quantised at load
+QUANT_GROUPS = (32, 64, 128, 256)  # = moespec.kernels.lowbit.SUPPORTED_GROUPS (a test checks)
 QUANT_GROUP_BYTES = 3  # float16 scale + uint8 zero point per group (moespec.models.quant)
 DEFAULT_GROUP_SIZE = 64  # = moespec.models.quant.DEFAULT_GROUP_SIZE (this module never imports torch)
 ROW_ALIGN = 16  # packed rows are padded to 16 bytes
@@ -81,7 +84,8 @@ class ModelSizes:
         params: the parameter counts.
         expert_format: "mxfp4" when experts are kept packed (GPT-OSS checkpoints), "int8" / "int4" when
             quantised at load, else the dtype.
-        group_size: weights per scale of int8/int4 experts (0 otherwise).
+        group_size: columns per scale of int8/int4 experts (0 otherwise).
+        hidden: H (config hidden_size), for the groups per row of a quantised expert (0: unknown).
     """
 
     model_type: str
@@ -90,6 +94,7 @@ class ModelSizes:
     params: ParamCounts
     expert_format: str = ""
     group_size: int = 0
+    hidden: int = 0
 
     @property
     def expert_bytes(self) -> int:
@@ -99,9 +104,17 @@ class ModelSizes:
             return weights // 2 + weights // 32 + self.params.expert_bias_params * self.bytes_per_param
         if self.expert_format in QUANT_BITS:  # codes + (scale, zero) per group, row padded to 16 bytes
             weights = self.params.expert_params
-            used = weights * QUANT_BITS[self.expert_format] // 8 + weights // self.group_size * QUANT_GROUP_BYTES
+            used = weights * QUANT_BITS[self.expert_format] // 8 + self._groups(weights) * QUANT_GROUP_BYTES
             return used + (-used) % ROW_ALIGN
         return self.params.expert_params * self.bytes_per_param
+
+    def _groups(self, weights: int) -> int:
+        """Groups of one SwiGLU expert: gate_up 2I rows of ceil(H/g), down H rows of ceil(I/g)."""
+        g, h = self.group_size, self.hidden
+        i = weights // (3 * h) if h else 0
+        if not i or 3 * h * i != weights:
+            return weights // g
+        return 2 * i * -(-h // g) + h * -(-i // g)
 
     @property
     def experts_bytes(self) -> int:
@@ -298,29 +311,23 @@ def model_sizes(config: Mapping[str, Any], expert_dtype: str = "auto", group_siz
         if model_type == "gpt_oss":
             raise OptionError(f"--expert-dtype {expert_dtype} is not supported for gpt_oss experts",
                               "use --expert-dtype auto: GPT-OSS experts stay MXFP4 (4.25 bits) and move packed")
-        return ModelSizes(model_type, dtype, bpp, params, expert_dtype, group_size or DEFAULT_GROUP_SIZE)
+        return ModelSizes(model_type, dtype, bpp, params, expert_dtype, _group(group_size), int(config["hidden_size"]))
     mxfp4 = expert_dtype == "auto" and isinstance(quant, Mapping) and quant.get("quant_method") == "mxfp4"
-    return ModelSizes(model_type, dtype, bpp, params, "mxfp4" if mxfp4 else dtype)
+    return ModelSizes(model_type, dtype, bpp, params, "mxfp4" if mxfp4 else dtype, hidden=int(config["hidden_size"]))
 
 
-def _decimal_bytes(n: int, below: float, fmt: str) -> str:
-    """``n`` bytes in the largest decimal unit that keeps the value under ``below``, as ``fmt``."""
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < below or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:{fmt}} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
+def _group(group_size: int | None) -> int:
+    """The group size asked for (default 64).
 
-
-def format_bytes(n: int) -> str:
-    """``3623878656`` -> ``3.62 GB`` (decimal units, as link bandwidths are quoted in GB/s)."""
-    return _decimal_bytes(n, 1000, ".2f")
-
-
-def format_bytes_short(n: int) -> str:
-    """``n`` bytes with 3 significant digits, for narrow table columns: ``702 MB``, ``66.4 MB``, ``6.14 kB``."""
-    return _decimal_bytes(n, 999.5, ".3g")  # 999.5 rounds to 1e3 at 3 digits: the next unit instead
+    Raises:
+        OptionError: a size the low-bit kernels cannot take (names the ones they can).
+    """
+    group = group_size or DEFAULT_GROUP_SIZE
+    if group not in QUANT_GROUPS:
+        raise OptionError(f"--group-size {group} is not supported: the low-bit kernels take "
+                          f"{', '.join(map(str, QUANT_GROUPS[:-1]))} or {QUANT_GROUPS[-1]}",
+                          f"use --group-size {DEFAULT_GROUP_SIZE}")
+    return group
 
 
 def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | None = None) -> ModelSizes:
@@ -329,12 +336,8 @@ def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | No
     GPT-OSS keeps its MXFP4 experts (the runtime refuses int8/int4 for it), so its sizes stay as they are.
 
     Raises:
-        OptionError: a group size that does not divide the expert projections.
+        OptionError: a group size the low-bit kernels cannot take.
     """
-    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss":
+    if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss" or not isinstance(sizes, ModelSizes):
         return sizes
-    group = group_size or DEFAULT_GROUP_SIZE
-    if (sizes.params.expert_params // 3) % group:
-        raise OptionError(f"--group-size {group} does not divide the {sizes.params.expert_params // 3} weights "
-                          "of an expert projection", "use --group-size 64 or another power of two that divides it")
-    return replace(sizes, expert_format=expert_dtype, group_size=group)
+    return replace(sizes, expert_format=expert_dtype, group_size=_group(group_size))

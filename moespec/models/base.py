@@ -64,7 +64,7 @@ def expert_quant(expert_dtype: str, dtype: torch.dtype, group_size: int | None) 
     want = FLOAT_DTYPES.get(expert_dtype)
     if want is None:
         raise OptionError(f"--expert-dtype {expert_dtype!r} is not valid",
-                          f"choose one of: auto, int8, int4, {', '.join(FLOAT_DTYPES)}")
+                          f"choose one of: auto, {', '.join(q.value for q in ExpertQuant)}, {', '.join(FLOAT_DTYPES)}")
     if want != dtype:
         name = str(dtype).removeprefix("torch.")
         raise OptionError(f"--expert-dtype {expert_dtype} differs from the compute dtype {name}",
@@ -109,19 +109,21 @@ class MoeAdapter:
         """The packed layout of one expert for a model computing in ``dtype``.
 
         ``expert_dtype`` (``--expert-dtype``): "auto" or the compute dtype keeps the checkpoint's
-        experts; "int8" / "int4" quantises them group-wise at load (``group_size`` weights per scale,
-        default :data:`moespec.models.quant.DEFAULT_GROUP_SIZE`) into a :class:`QuantLayout` row.
+        experts; "int8" / "int4" quantises them group-wise at load (``group_size`` columns per scale,
+        default :data:`moespec.models.quant.DEFAULT_GROUP_SIZE`) into a :class:`QuantLayout` row;
+        "w8a8" / "w4a8" store the same rows and quantise activations in the CPU kernels (not exact).
         Families whose checkpoints ship packed experts (GPT-OSS MXFP4) override this.
 
         Raises:
-            OptionError: an unknown --expert-dtype, a float dtype other than --dtype, or a
-                --group-size that does not divide I*H (or without int8/int4).
+            OptionError: an unknown --expert-dtype, a float dtype other than --dtype, a --group-size
+                the kernels cannot take (or given without int8/int4), H or I not multiples of 16.
         """
         shape = dict(hidden=int(self.config.hidden_size), intermediate=self.expert_intermediate())
         quant = expert_quant(expert_dtype, dtype, group_size)
         if quant is None:
             return ExpertLayout(**shape)
-        return QuantLayout(**shape, bits=quant.bits, group_size=group_size or DEFAULT_GROUP_SIZE)
+        return QuantLayout(**shape, bits=quant.bits, group_size=group_size or DEFAULT_GROUP_SIZE,
+                           act_int8=quant.act_int8)
 
     def expert_converter(self, layout: ExpertLayout):
         """A callable (key, tensor, name) -> [(key, tensor, name), ...] applied to expert tensors at load.

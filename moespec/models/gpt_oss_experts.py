@@ -21,6 +21,14 @@ from moespec.models import mxfp4
 from moespec.models.layout import ExpertLayout
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation of gate [t, I] and up [t, I] -> [t, I]: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g),
+    g = clamp(gate, max=limit)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 @dataclass(frozen=True)
 class GptOssLayout(ExpertLayout):
     """Dense GPT-OSS expert [gate_up (H*2I) | gate_up_bias (2I) | down (I*H) | down_bias (H)] in the model dtype.
@@ -46,12 +54,13 @@ class GptOssLayout(ExpertLayout):
     def covers(self, part: str) -> tuple[str, ...]:
         return (part,)
 
+    def linear_weights(self, row: torch.Tensor) -> None:
+        """None: transposed weights with biases and an interleaved GLU; :meth:`forward` computes the expert."""
+        return None
+
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[t, 2I] interleaved gate/up -> [t, I] clamped SwiGLU (transformers' GptOssExperts._apply_gate)."""
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [t, I] each
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return clamped_swiglu(gate_up[..., ::2], gate_up[..., 1::2], self.alpha, self.limit)
 
     def weights(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """gate_up [H, 2I], gate_up_bias [2I], down [I, H], down_bias [H] of a row."""

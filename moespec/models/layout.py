@@ -7,6 +7,13 @@ copy moves one expert. A layout knows its parts (name -> shape, in packing order
 checkpoint part lands in a row, and how to run the expert straight from a row on the device (so a
 packed format such as MXFP4 is moved packed and expanded only after the copy). The default is
 transformers 5's fused SwiGLU: [gate_up (2I*H, "halves": gate rows then up rows) | down (H*I)].
+
+Compute: a SwiGLU layout names its two Linear-shaped weights (:meth:`ExpertLayout.linear_weights`,
+views of the row: float tensors or low-bit weights) around :meth:`ExpertLayout.act_and_mul`.
+:meth:`ExpertLayout.forward` runs a CPU row (a host row, a CPU slot) through the CPU kernels, the
+whole expert in one call where it can (moespec.kernels.swiglu), else both products through
+moespec.kernels.linear (F.linear on other devices); the host pool splits the same two products by
+output rows across its threads.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from moespec.kernels import native
+from moespec.kernels.linear import linear
+from moespec.kernels.swiglu import is_silu, silu_and_mul, swiglu_expert
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,11 @@ class ExpertLayout:
 
     hidden: int
     intermediate: int
+
+    def for_layer(self, layer: int) -> ExpertLayout:
+        """The layout of decoder layer ``layer``'s rows: this one, except where a GGUF file stores
+        layers in different quant types (moespec.gguf.layout.LayeredLayout)."""
+        return self
 
     # --- parts ---------------------------------------------------------------------------
     def part_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -92,8 +107,45 @@ class ExpertLayout:
         return ("gate", "up") if part == "gate_up" else (part,)
 
     # --- compute ---------------------------------------------------------------------------
+    act_int8 = False  # the CPU kernels keep activations in the compute dtype (QuantLayout may not)
+
+    def linear_weights(self, row: torch.Tensor) -> tuple | None:
+        """The two Linear-shaped weights of a row: gate_up [2I, H] and down [H, I] (views, no copy);
+        None where :meth:`forward` is not two Linear products around :meth:`act_and_mul` (GPT-OSS)."""
+        return self.unpack(row)
+
+    @staticmethod
+    def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
+        """[t, 2I] (gate, up halves) -> [t, I]: act(gate) * up (SiLU on the CPU: the one-call
+        kernel's own C code, so both paths agree bit for bit)."""
+        if is_silu(act):
+            h = silu_and_mul(gate_up)
+            if h is not None:
+                return h
+        gate, up = gate_up.chunk(2, dim=-1)  # [t, I] each
+        return act(gate) * up
+
+    def native_parts(self, row_dtype: torch.dtype, x_dtype: torch.dtype):
+        """(kernel kind, byte offsets (w1, s1, z1, w2, s2, z2) in a row, group size) for the one-call
+        CPU kernel (moespec.kernels.swiglu), or None where it does not apply (rows of another dtype
+        than the activations', float16)."""
+        kind = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}.get(row_dtype)
+        if kind is None or row_dtype != x_dtype:
+            return None
+        down = 2 * self.intermediate * self.hidden * row_dtype.itemsize  # bytes before the down part
+        return kind, (0, 0, 0, down, 0, 0), 0
+
     def forward(self, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
-        """Raw output [t, H] of the expert in ``row`` for its tokens ``x`` [t, H]: down(act(gate(x)) * up(x))."""
-        gate_up, down = self.unpack(row)
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [t, I] each
-        return F.linear(act(gate) * up, down)  # [t, H]
+        """Raw output [t, H] of the expert in ``row`` for its tokens ``x`` [t, H]: down(act(gate(x)) * up(x)).
+
+        Computed where ``row`` is: tokens on another device (device tokens, a host row) go to the
+        row's device, and only the [t, H] output comes back. A CPU row takes the one-call kernel
+        where it applies (moespec.kernels.swiglu), else the two products below (its reference).
+        """
+        xr = x if x.device == row.device else x.to(row.device)
+        y = swiglu_expert(xr, row, self, act)
+        if y is not None:
+            return y if y.device == x.device else y.to(x.device)
+        gate_up, down = self.linear_weights(row)
+        h = self.act_and_mul(linear(xr, gate_up, self.act_int8), act)  # [t, I]
+        return linear(h, down, self.act_int8).to(x.device)  # [t, H]

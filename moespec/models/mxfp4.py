@@ -68,3 +68,20 @@ def dequantize_reference(blocks: torch.Tensor, scales: torch.Tensor, dtype: torc
     vals = pairs[blocks.int()].flatten(-2)  # [..., G, 32]
     exp = scales.int().unsqueeze(-1) - 127  # [..., G, 1]
     return torch.ldexp(vals, exp).flatten(-2).to(dtype)  # [..., G*32]
+
+
+def dequantize_gguf(qs: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """GGUF's MXFP4 blocks (ggml's block_mxfp4): qs [..., 16] uint8, exps [...] uint8 -> values [..., 32].
+
+    Differs from :func:`dequantize` only in the nibble order: byte j holds value j in its low nibble
+    and value j + 16 in its high nibble (not 2j and 2j + 1). Same tables, so the same values for the
+    same codes (ggml's doubled E2M1 table times 2**(e - 128) is this table times 2**(e - 127); the one
+    difference is exponent byte 255, E8M0's NaN, which gives NaN here and +-inf or 0 in ggml).
+    """
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    pairs, pow2 = _tables(qs.device, work)
+    lead = qs.shape[:-1]
+    vals = pairs.index_select(0, qs.reshape(-1).int()).view(*lead, 16, 2)  # [..., 16, (low, high)]
+    vals.mul_(pow2.index_select(0, exps.reshape(-1).int()).view(*lead, 1, 1))  # x 2**(e - 127)
+    vals = vals.transpose(-1, -2).reshape(*lead, 2 * 16)  # [..., 32]: the low nibbles, then the high ones
+    return vals if work == dtype else vals.to(dtype)

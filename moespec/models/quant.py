@@ -1,22 +1,24 @@
-"""Group-wise affine int8 / int4 quantisation of expert weights (``--expert-dtype int8|int4``).
+"""Group-wise affine int8 / int4 quantisation of expert weights (``--expert-dtype int8|int4|w8a8|w4a8``).
 
-Shapes: R rows (output features), C columns (input features), N = R*C weights, G = N/g groups of g.
+Shapes: R rows (output features), C columns (input features), g group size, G = ceil(C / g) groups
+per row.
 
-A projection [R, C] is cut into groups of g CONSECUTIVE weights of its row-major order (HQQ's
-grouping, as mixtral-offloading uses), so g only has to divide R*C, not C: the default model's
-down projection has rows of I = 80 weights, which no power-of-two group of 64 divides. Each group
-has an asymmetric affine map with a float16 scale and a uint8 zero point:
+A projection [R, C] is cut into groups of g consecutive columns of each row (groups along the
+input dimension, the layout fused dequantise-and-multiply kernels read; the last group of a row is
+shorter when g does not divide C, e.g. the default model's down projection, C = I = 80, g = 64:
+groups of 64 and 16). Each group has an asymmetric affine map with a float16 scale and a uint8 zero:
 
     code = clamp(round(w / scale) + zero, 0, 2**bits - 1),   w' = (code - zero) * scale
 
-int8 keeps one code per byte. int4 packs two codes per byte in halves: byte k of a projection of N
-weights holds code k in its low nibble and code k + N/2 in its high nibble, so unpacking is two
-whole-tensor bit operations and one concatenation (interleaving low/high nibbles of neighbouring
-bytes was a strided stack, ~5x slower than the rest of dequantisation together). The arithmetic of
-choosing scale/zero and rounding is torchao's affine quantisation primitives (``choose_qparams_affine``,
-``quantize_affine``, run at load on the CPU); dequantisation is the same formula in plain torch
-(:func:`dequantize`, so it runs on any device after the packed copy without importing torchao), and
-:func:`dequantize_reference` is torchao's ``dequantize_affine`` beside it (tests compare the two).
+The codes' byte order (int4: two codes per byte, in blocks of 32 columns) is the CPU kernels' format,
+moespec.kernels.lowbit. The arithmetic of choosing scale/zero and rounding is torchao's affine
+quantisation primitives (``choose_qparams_affine``, ``quantize_affine``, run at load on the CPU);
+dequantisation is the same formula in plain torch (:func:`dequantize`, any device, after the packed
+copy, without torchao), and :func:`dequantize_reference` is torchao's ``dequantize_affine`` beside it.
+
+Format history: 2 = groups of g consecutive weights of the whole projection (row-major, spanning
+rows) and int4 halves of the projection; 3 = groups along each row and int4 blocks of 32 (the CPU
+kernels need both). runtime.host.quant_store.FORMAT follows it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moespec.errors import OptionError
+from moespec.kernels.lowbit import (COL_MULTIPLE, SUPPORTED_GROUPS, LowBitWeight, code_bytes, groups_per_row,
+                                    pack_codes, unpack_codes_reference)
+from moespec.kernels.lowbit import dequantize as lowbit_dequantize
 
 SCALE_DTYPE = torch.float16  # 2 bytes per group; fp16's 11-bit mantissa is finer than bf16's 8
 ZERO_DTYPE = torch.uint8
@@ -37,15 +43,27 @@ DEFAULT_GROUP_SIZE = 64  # measured on the default model: see README "Low-bit ex
 
 
 class ExpertQuant(str, enum.Enum):
-    """Low-bit expert formats ``--expert-dtype`` accepts beside the float dtypes."""
+    """Low-bit expert formats ``--expert-dtype`` accepts beside the float dtypes.
+
+    ``w8a8`` / ``w4a8`` store the same rows as int8 / int4; where the CPU kernels compute them (the
+    host path, a CPU run) each token's activations are quantised to int8 per group too, so the
+    products are integer (as llama.cpp does): faster, NOT exact (moespec.kernels.linear).
+    """
 
     INT8 = "int8"
     INT4 = "int4"
+    W8A8 = "w8a8"
+    W4A8 = "w4a8"
 
     @property
     def bits(self) -> int:
         """Bits per weight code."""
-        return 8 if self is ExpertQuant.INT8 else 4
+        return 8 if self in (ExpertQuant.INT8, ExpertQuant.W8A8) else 4
+
+    @property
+    def act_int8(self) -> bool:
+        """Activations quantised to int8 where the CPU kernels run."""
+        return self in (ExpertQuant.W8A8, ExpertQuant.W4A8)
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,10 @@ class QuantSpec:
 
     Attributes:
         bits: 8 or 4 bits per code.
-        group_size: g, consecutive weights sharing one scale and zero point.
+        group_size: g, consecutive columns of a row sharing one scale and zero point.
+
+    Raises:
+        OptionError: bits not 4/8, or g not one of the sizes the kernels take (names them).
     """
 
     bits: int
@@ -63,8 +84,9 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise OptionError(f"{self.bits}-bit experts are not supported", "use --expert-dtype int8 or int4")
-        if self.group_size < 2 or self.group_size % 2:
-            raise OptionError(f"--group-size {self.group_size} must be an even number of at least 2",
+        if self.group_size not in SUPPORTED_GROUPS:
+            sizes = ", ".join(map(str, SUPPORTED_GROUPS[:-1])) + f" or {SUPPORTED_GROUPS[-1]}"
+            raise OptionError(f"--group-size {self.group_size} is not supported: the low-bit kernels take {sizes}",
                               f"use --group-size {DEFAULT_GROUP_SIZE}")
 
     @property
@@ -72,34 +94,37 @@ class QuantSpec:
         """Largest code (255 or 15)."""
         return 2**self.bits - 1
 
-    def code_bytes(self, numel: int) -> int:
-        """Bytes of the codes of ``numel`` weights."""
-        return numel * self.bits // 8
+    def groups(self, rows: int, cols: int) -> int:
+        """Groups of a [rows, cols] projection (rows x ceil(cols / g))."""
+        return rows * groups_per_row(cols, self.group_size)
 
-    def packed_bytes(self, numel: int) -> int:
-        """Bytes of ``numel`` quantised weights: codes + a float16 scale and a uint8 zero per group."""
-        groups = numel // self.group_size
-        return self.code_bytes(numel) + groups * (SCALE_DTYPE.itemsize + ZERO_DTYPE.itemsize)
+    def packed_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of a quantised [rows, cols] projection: codes + a float16 scale and a uint8 zero per group."""
+        return code_bytes(rows, cols, self.bits) + self.groups(rows, cols) * (SCALE_DTYPE.itemsize + ZERO_DTYPE.itemsize)
 
-    def check_divides(self, numel: int, what: str) -> None:
-        """Refuse a group size that does not divide ``numel`` weights (``what`` names them).
+    @staticmethod
+    def check_cols(cols: int, what: str) -> None:
+        """Refuse a projection whose input dimension the kernels cannot take (``what`` names it).
 
         Raises:
-            OptionError: names the group size, the count and the flag.
+            OptionError: ``cols`` is not a multiple of 16.
         """
-        if numel % self.group_size:
-            fits = [g for g in (64, 128, 32, 256, 16, 8) if numel % g == 0]  # nearest the default first
-            hint = f"use --group-size {fits[0]}" if fits else "use a --group-size that divides it"
-            raise OptionError(f"--group-size {self.group_size} does not divide the {numel} weights of {what}", hint)
+        if cols % COL_MULTIPLE:
+            raise OptionError(f"int8/int4 experts need input sizes that are multiples of {COL_MULTIPLE}: "
+                              f"{what} is {cols}", "use --expert-dtype auto")
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """One projection quantised: codes [N*bits/8] uint8, scales [G] float16, zeros [G] uint8."""
+    """One projection [R, C] quantised: codes uint8 [R*C*bits/8] (kernel order), scales float16 [R*G], zeros uint8 [R*G]."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
+
+    def weight(self, spec: QuantSpec, rows: int, cols: int) -> LowBitWeight:
+        """The kernels' view of it."""
+        return LowBitWeight(spec.bits, rows, cols, spec.group_size, self.codes, self.scales, self.zeros)
 
 
 @contextlib.contextmanager
@@ -135,77 +160,45 @@ def _primitives():
 
 
 def quantize(weight: torch.Tensor, spec: QuantSpec) -> Quantized:
-    """Quantise one projection ``weight`` (any shape, N elements; row-major groups of g).
+    """Quantise one projection ``weight`` [R, C] (groups of g columns of each row).
 
     Computed in float32 on the weight's device with torchao's ASYMMETRIC mapping (min/max per group,
-    zero exactly representable).
+    zero exactly representable). A row whose last group is short is padded with zeros to whole
+    groups: the range of every group includes 0 already, so the padding changes no scale or zero.
 
     Raises:
-        OptionError: g does not divide N (call :meth:`QuantSpec.check_divides` first for a better name).
+        OptionError: C is not a multiple of 16.
     """
-    spec.check_divides(weight.numel(), "a projection")
+    rows, cols = weight.shape
+    spec.check_cols(cols, "a projection")
     qp = _primitives()
-    flat = weight.detach().reshape(-1, spec.group_size).float()  # [G, g]
-    block = (1, spec.group_size)
+    g, n = spec.group_size, groups_per_row(cols, spec.group_size)
+    flat = F.pad(weight.detach().float(), (0, n * g - cols)).view(rows * n, g)  # [R*G, g]
+    block = (1, g)
     scales, zeros = qp.choose_qparams_affine(flat, qp.MappingType.ASYMMETRIC, block, torch.uint8, quant_min=0,
                                              quant_max=spec.qmax, scale_dtype=SCALE_DTYPE, zero_point_dtype=ZERO_DTYPE)
-    codes = qp.quantize_affine(flat, block, scales, zeros, torch.uint8, quant_min=0, quant_max=spec.qmax)  # [G, g]
-    return Quantized(pack(codes.reshape(-1), spec.bits), scales.reshape(-1), zeros.reshape(-1))
+    codes = qp.quantize_affine(flat, block, scales, zeros, torch.uint8, quant_min=0, quant_max=spec.qmax)
+    codes = codes.view(rows, n * g)[:, :cols]  # [R, C]
+    return Quantized(pack_codes(codes, spec.bits), scales.reshape(-1), zeros.reshape(-1))
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [N] uint8 (< 2**bits) -> packed [N*bits/8] uint8 (int4: byte k = code k | code k+N/2 << 4)."""
-    if bits == 8:
-        return codes.contiguous()
-    half = codes.numel() // 2
-    return codes[:half] | (codes[half:] << 4)
+def dequantize(q: Quantized, spec: QuantSpec, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weights [R, C] in ``dtype`` on the codes' device: (code - zero) * scale in float32, one cast
+    (bit for bit torchao's ``dequantize_affine``; moespec.kernels.lowbit.dequantize)."""
+    return lowbit_dequantize(q.weight(spec, rows, cols), dtype)
 
 
-def unpack(packed: torch.Tensor, bits: int, parts: int = 1) -> torch.Tensor:
-    """packed [N*bits/8] uint8 -> codes [N] uint8 (inverse of :func:`pack`).
-
-    ``parts`` projections packed one after another (each by :func:`pack`, equal sizes) unpack in one call.
-    """
-    if bits == 8:
-        return packed
-    p = packed.view(parts, 1, -1)  # [parts, 1, n/2]: each projection's low and high halves
-    return torch.cat((p & 15, p >> 4), dim=1).view(-1)  # [N]
-
-
-def unpack_reference(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Slow reference of :func:`unpack` for one projection: code k read from its byte, one at a time."""
-    if bits == 8:
-        return packed.clone()
-    half, b = packed.numel(), packed.tolist()
-    codes = [b[k] & 15 if k < half else b[k - half] >> 4 for k in range(2 * half)]
-    return torch.tensor(codes, dtype=torch.uint8)
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QuantSpec,
-               shape: tuple[int, ...], dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
-    """Weights [*shape] in ``dtype`` from packed codes, scales [G] and zeros [G], on their device.
-
-    (code - zero) * scale in float32 (exact for the integer difference, one rounding for the
-    product), then one cast to ``dtype``: bit for bit torchao's ``dequantize_affine``. Scales and
-    zeros are made float32 first (G values): a float32 tensor with a float32 [G, 1] operand runs
-    torch's vectorised broadcast loop, mixed dtypes its slower casting loop. ``parts`` equal
-    projections packed back to back (e.g. a whole expert row) dequantise in one call.
-    """
-    w = unpack(codes, spec.bits, parts).view(-1, spec.group_size).float()  # [G, g], a fresh tensor: in place below
-    w.sub_(zeros.float()[:, None]).mul_(scales.float()[:, None])
-    return w.view(shape).to(dtype)
-
-
-def dequantize_reference(q: Quantized, spec: QuantSpec, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def dequantize_reference(q: Quantized, spec: QuantSpec, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Slow reference of :func:`dequantize`: torchao's ``dequantize_affine`` on codes unpacked one by one."""
     qp = _primitives()
-    codes = unpack_reference(q.codes, spec.bits).view(-1, spec.group_size)  # [G, g]
-    w = qp.dequantize_affine(codes, (1, spec.group_size), q.scales.view(-1, 1), q.zeros.view(-1, 1), torch.uint8,
+    g, n = spec.group_size, groups_per_row(cols, spec.group_size)
+    codes = F.pad(unpack_codes_reference(q.codes, spec.bits, rows, cols), (0, n * g - cols)).view(rows * n, g)
+    w = qp.dequantize_affine(codes, (1, g), q.scales.view(-1, 1), q.zeros.view(-1, 1), torch.uint8,
                              quant_min=0, quant_max=spec.qmax, output_dtype=torch.float32)
-    return w.view(shape).to(dtype)
+    return w.view(rows, n * g)[:, :cols].to(dtype)
 
 
 def fake_quantize(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``weight`` quantised and dequantised (same shape and dtype): what the runtime computes with."""
+    """``weight`` [R, C] quantised and dequantised (same shape and dtype): what the runtime computes with."""
     q = quantize(weight, spec)
-    return dequantize(q.codes, q.scales, q.zeros, spec, tuple(weight.shape), weight.dtype)
+    return dequantize(q, spec, *weight.shape, weight.dtype)

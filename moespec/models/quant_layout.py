@@ -1,15 +1,19 @@
 """QuantLayout: one SwiGLU expert quantised to int8 / int4 in ONE uint8 row, and the load-time converter.
 
-Shapes: t tokens, H hidden, I expert intermediate, g group size, Ggu = 2I*H/g and Gd = H*I/g groups.
+Shapes: t tokens, H hidden, I expert intermediate, g group size, Gh = ceil(H/g), Gi = ceil(I/g).
 
-Row (bytes): [gate_up scales (Ggu float16) | down scales (Gd float16) | gate_up zeros (Ggu) |
-down zeros (Gd) | gate_up codes (2I*H*bits/8) | down codes (H*I*bits/8) | pad to 16]. Scales come
-first so their float16 views stay aligned in every row. gate_up is transformers' [2I, H] "halves"
-(gate rows, then up rows); as g divides I*H, the first half of each gate_up part is exactly the gate
-projection's, so per-expert checkpoints (gate, up, down) and fused ones land in the same places.
+Row (bytes): [gate_up scales (2I*Gh float16) | down scales (H*Gi float16) | gate_up zeros (2I*Gh) |
+down zeros (H*Gi) | gate_up codes (2I*H*bits/8) | down codes (H*I*bits/8) | pad to 16]. Every
+projection is grouped along its input dimension, row by row (moespec.kernels.lowbit): gate_up
+[2I, H] in groups of H's columns, down [H, I] in groups of I's. Scales come first so their float16
+views stay aligned in every row. gate_up is transformers' [2I, H] "halves" (gate rows, then up
+rows), so each of its parts is the gate projection's in its first half, and per-expert checkpoints
+(gate, up, down) and fused ones land in the same places.
 
-The row is what moves: a copy moves codes, scales and zeros together, and :meth:`QuantLayout.forward`
-dequantises on the row's device after the copy (on the host for a host row), as MXFP4 does for GPT-OSS.
+The row is what moves: a copy moves codes, scales and zeros together. :meth:`QuantLayout.forward`
+computes where the row is: on the CPU (a host row, or a CPU slot) by the fused low-bit kernels,
+which read each code once (moespec.kernels.linear); on a GPU slot by dequantising after the copy
+(plain torch) and F.linear, as MXFP4 does for GPT-OSS.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moespec.errors import CheckpointError
+from moespec.kernels import native
+from moespec.kernels.lowbit import LowBitWeight, dequantize
 from moespec.models.layout import ExpertKey, ExpertLayout
-from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize,
-                                  dequantize_reference, quantize)
+from moespec.models.quant import (DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantSpec, Quantized, dequantize_reference,
+                                  quantize)
 
 _KINDS = ("scales", "zeros", "codes")
 _PROJ = ("gate", "up", "down")
@@ -35,33 +40,39 @@ class QuantLayout(ExpertLayout):
 
     Attributes:
         bits: 8 or 4.
-        group_size: g, weights per scale/zero (must divide I*H).
+        group_size: g, columns per scale/zero (one of moespec.kernels.lowbit.SUPPORTED_GROUPS).
+        act_int8: the CPU kernels quantise activations to int8 (``--expert-dtype w8a8|w4a8``; not exact).
 
     Raises:
-        OptionError: bits not 4/8, or g not dividing I*H (names --group-size).
+        OptionError: bits not 4/8, g not a supported size, or H / I not multiples of 16 (names the flag).
     """
 
     bits: int = 4
     group_size: int = DEFAULT_GROUP_SIZE
+    act_int8: bool = False
 
     def __post_init__(self) -> None:
-        self.spec.check_divides(self.hidden * self.intermediate,
-                                f"an expert projection (I*H = {self.intermediate}*{self.hidden})")
+        spec = self.spec
+        spec.check_cols(self.hidden, "the hidden size H")
+        spec.check_cols(self.intermediate, "the expert intermediate size I")
 
     @property
     def spec(self) -> QuantSpec:
         """The quantisation settings (validated on construction)."""
         return QuantSpec(self.bits, self.group_size)
 
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        h, i = self.hidden, self.intermediate
+        return {"gate_up": (2 * i, h), "down": (h, i)}
+
     # --- parts ---------------------------------------------------------------------------
     def part_shapes(self) -> dict[str, tuple[int, ...]]:
         """Parts in bytes, in packing order (see the module docstring)."""
-        spec, h, i = self.spec, self.hidden, self.intermediate
-        gu, d = 2 * i * h, h * i
-        parts = {"gate_up_scales": (gu // spec.group_size * SCALE_DTYPE.itemsize,),
-                 "down_scales": (d // spec.group_size * SCALE_DTYPE.itemsize,),
-                 "gate_up_zeros": (gu // spec.group_size,), "down_zeros": (d // spec.group_size,),
-                 "gate_up_codes": (spec.code_bytes(gu),), "down_codes": (spec.code_bytes(d),)}
+        spec, shapes = self.spec, self._shapes()
+        groups = {n: spec.groups(*rc) for n, rc in shapes.items()}
+        parts = {f"{n}_scales": (groups[n] * SCALE_DTYPE.itemsize,) for n in shapes}
+        parts.update({f"{n}_zeros": (groups[n],) for n in shapes})
+        parts.update({f"{n}_codes": (rc[0] * rc[1] * spec.bits // 8,) for n, rc in shapes.items()})
         used = sum(s[0] for s in parts.values())
         if used % 16:  # every row starts 16-byte aligned, so every row's float16 scale views are aligned
             parts["pad"] = (16 - used % 16,)
@@ -79,41 +90,52 @@ class QuantLayout(ExpertLayout):
         """Every part's view, the padding included (the converter zeroes it: cached files are deterministic)."""
         return super().views(row)
 
+    def linear_weights(self, row: torch.Tensor) -> tuple[LowBitWeight, LowBitWeight]:
+        """gate_up [2I, H] and down [H, I] as low-bit weights viewing ``row`` (no copy)."""
+        return tuple(self._weight(row, name) for name in ("gate_up", "down"))
+
+    def _weight(self, row: torch.Tensor, name: str) -> LowBitWeight:
+        (a, b), (c, d), (e, f) = self._ranges[name]
+        rows, cols = self._shapes()[name]
+        return LowBitWeight(self.bits, rows, cols, self.group_size, row[e:f], row[a:b].view(SCALE_DTYPE), row[c:d])
+
+    def native_parts(self, row_dtype: torch.dtype, x_dtype: torch.dtype):
+        """(kernel kind, byte offsets (codes, scales, zeros) of gate_up then down, group size) for the
+        one-call CPU kernel (moespec.kernels.swiglu)."""
+        (s1, _), (z1, _), (w1, _) = self._ranges["gate_up"]
+        (s2, _), (z2, _), (w2, _) = self._ranges["down"]
+        kind = native.KIND_Q4 if self.bits == 4 else native.KIND_Q8
+        return kind, (w1, s1, z1, w2, s2, z2), self.group_size
+
     def unpack(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [2I, H] and down [H, I] dequantised to float32 (new tensors, not views)."""
         w = self.weights(row, torch.float32)
         return w["gate_up"], w["down"]
 
     def weights(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Dequantised on the row's device: gate_up [2I, H] and down [H, I] in ``dtype``.
-
-        The row's scales, zeros and codes are each one contiguous range over the three projections
-        (gate, up, down: I*H weights each), so the whole expert dequantises in one call.
-        """
-        scales, zeros, codes = (row[a:b] for a, b in self._ranges)
-        h, i = self.hidden, self.intermediate
-        w = dequantize(codes, scales.view(SCALE_DTYPE), zeros, self.spec, (3 * i * h,), dtype, parts=3)  # [3IH]
-        return {"gate_up": w[: 2 * i * h].view(2 * i, h), "down": w[2 * i * h :].view(h, i)}
+        """Dequantised on the row's device: gate_up [2I, H] and down [H, I] in ``dtype``."""
+        gate_up, down = self.linear_weights(row)
+        return {"gate_up": dequantize(gate_up, dtype), "down": dequantize(down, dtype)}
 
     def weights_reference(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Slow reference of :meth:`weights`: each projection on its own through :func:`dequantize_reference`."""
         v, h, i, spec = self.views(row), self.hidden, self.intermediate, self.spec
         out = {}
-        for name, shape in (("gate_up", (2 * i, h)), ("down", (h, i))):
+        for name, (rows, cols) in self._shapes().items():
             n = 2 if name == "gate_up" else 1  # gate and up were quantised (and packed) separately
             codes, scales, zeros = (v[f"{name}_{k}"].chunk(n) for k in ("codes", "scales", "zeros"))
-            out[name] = torch.cat([dequantize_reference(Quantized(c, s.view(SCALE_DTYPE), z), spec, (i * h,), dtype)
-                                   for c, s, z in zip(codes, scales, zeros)]).view(shape)
+            out[name] = torch.cat([dequantize_reference(Quantized(c, s.view(SCALE_DTYPE), z), spec, rows // n, cols, dtype)
+                                   for c, s, z in zip(codes, scales, zeros)])
         return out
 
     @functools.cached_property
-    def _ranges(self) -> tuple[tuple[int, int], ...]:
-        # (start, end) bytes of all scales, all zeros, all codes (gate_up's then down's, adjacent).
+    def _ranges(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        # projection -> (start, end) bytes of its scales, zeros, codes.
         at, spans = 0, {}
         for name, shape in self.part_shapes().items():
             spans[name] = (at, at + shape[0])
             at += shape[0]
-        return tuple((spans[f"gate_up_{k}"][0], spans[f"down_{k}"][1]) for k in ("scales", "zeros", "codes"))
+        return {n: tuple(spans[f"{n}_{k}"] for k in _KINDS) for n in ("gate_up", "down")}
 
     # --- checkpoint parts -------------------------------------------------------------------
     @property
@@ -177,23 +199,12 @@ class QuantLayout(ExpertLayout):
 
         return convert
 
-    # --- compute ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
-        """Raw output [t, H] for tokens x [t, H], computed where ``row`` is (device slot or host row).
-
-        The weights are dequantised there; for a host row with device tokens, the tokens go to the
-        host and only the [t, H] output comes back.
-        """
-        w = self.weights(row, x.dtype)
-        xr = x.to(row.device)  # no-op when both are on the same device
-        gate, up = F.linear(xr, w["gate_up"]).chunk(2, dim=-1)  # [t, I] each
-        return F.linear(act(gate) * up, w["down"]).to(x.device)  # [t, H]
-
 
 def expert_format(layout: ExpertLayout, dtype: torch.dtype) -> str:
-    """How a layout stores experts, for reports: "int4-g64", "int8-g64", "mxfp4" or the dtype name."""
+    """How a layout stores experts, for reports: "int4-g64", "int8-g64", "w4a8-g64", "mxfp4" or the dtype name."""
     if isinstance(layout, QuantLayout):
-        return f"int{layout.bits}-g{layout.group_size}"
+        kind = f"w{layout.bits}a8" if layout.act_int8 else f"int{layout.bits}"
+        return f"{kind}-g{layout.group_size}"
     if layout.storage_dtype(dtype) == torch.uint8:
         return "mxfp4"  # the only other packed layout (GPT-OSS)
     return str(dtype).removeprefix("torch.")
@@ -216,8 +227,8 @@ def fake_quantize_experts_(model: torch.nn.Module, layout: QuantLayout) -> int:
         if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3:
             continue
         for e in range(gate_up.shape[0]):
-            gate_up[e, :i] = fake_quantize(gate_up[e, :i], spec)  # [I, H]
+            gate_up[e, :i] = fake_quantize(gate_up[e, :i], spec)  # [I, H], groups along H
             gate_up[e, i:] = fake_quantize(gate_up[e, i:], spec)  # [I, H]
-            down[e] = fake_quantize(down[e], spec)  # [H, I]
+            down[e] = fake_quantize(down[e], spec)  # [H, I], groups along I
             changed += 3
     return changed

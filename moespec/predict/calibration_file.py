@@ -157,7 +157,7 @@ def load_calibration(path: str | Path) -> Calibration:
     meta, tensors = load_safetensors_with_meta(
         path, "calibration", FORMAT, FORMAT_VERSION, META_KEY, name=str(path),
         missing=(f"calibration file {path} does not exist", "run `moespec calibrate MODEL` to make one"),
-        redo=redo, again="calibrate again")
+        redo=redo, again="calibrate again", nan_ok=("recall/", "weighted_recall/", "cosine/"))
     try:
         variants = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("default_vectors/")}
         variants[meta["variant"]] = tensors["default_vectors"]

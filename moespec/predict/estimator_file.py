@@ -108,7 +108,7 @@ def load_estimator(path: str | Path, flag: str | None = None) -> EstimatorFile:
     meta, tensors = load_safetensors_with_meta(
         path, "estimator", FORMAT, FORMAT_VERSION, META_KEY, name=name,
         missing=(f"{name} does not exist", "run `moespec train-estimator MODEL` to make one"),
-        redo=redo, again="train the estimators again")
+        redo=redo, again="train the estimators again", nan_ok=tuple(f"{m}/" for m in METRICS))
     try:
         bank = EstimatorBank(EstimatorShape(**meta["shape"]), [int(x) for x in tensors["layers"].tolist()])
         bank.load_state_dict({k[len("bank/"):]: v for k, v in tensors.items() if k.startswith("bank/")})

@@ -21,7 +21,7 @@ from pathlib import Path
 from moespec.config import OnMiss
 from moespec.errors import DataError, OutputError
 from moespec.fsutil import atomic_path
-from moespec.models.quant_layout import expert_format
+from moespec.gguf.layout import row_format as expert_format
 from moespec.profile.guard_view import add_vs_exact
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate
@@ -222,9 +222,11 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "--o
 
 
 def write_json(path: str | os.PathLike, obj: dict, force: bool) -> None:
-    """Write ``obj`` as indented JSON atomically."""
+    """Write ``obj`` as indented JSON atomically (NaN/Inf, which JSON lacks, written as null)."""
+    from moespec.integrity import json_safe
+
     with atomic_path(path, force=force) as tmp:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(json_safe(obj), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def load_report(path: str | os.PathLike) -> dict:

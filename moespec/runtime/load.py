@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from moespec.artifacts import model_key
-from moespec.config import CachePolicy, Predictor, RuntimeConfig, format_binary
+from moespec.config import CachePolicy, OnMiss, Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CalibrationError, CheckpointError, DeviceError, OptionError
+from moespec.kernels import native
 from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NoPredictor
@@ -25,9 +26,9 @@ from moespec.predict.factory import make_predictor
 from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
-from moespec.runtime.host.checkpoint import iter_tensors, safetensors_files
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
+from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.layer.policy import LayerPolicy
 from moespec.runtime.layer.runner import MoeLayerRunner
@@ -152,30 +153,49 @@ def _rule_factory(cfg: RuntimeConfig, policy, path: Path, top_k: int, slots: int
         try:
             seed = load_seed(path, cfg.calibration_path, top_k, config, [r.layer for r in refs],
                              [r.block.gate.weight for r in refs])
-        except CalibrationError:
+        except CalibrationError as exc:
             if cfg.cache_policy is not None:
                 raise
-            key = model_key(path)
-            note = (f"the calibration file of {key} was made for another model: cache policy lru, not "
-                    f"{policy.value} (run `moespec calibrate {key}`)")
+            key = model_key(path)  # the error says why (another model's, truncated, corrupt): not guessed here
+            note = f"{exc.message}; cache policy lru, not {policy.value} (run `moespec calibrate {key}`)"
             policy = CachePolicy.LRU
     return partial(make_rule, policy, seed, slots, top_k), note
 
 
+def open_source(folder: str | Path) -> CheckpointSource:
+    """The source of the model folder ``folder`` (a GGUF-prepared folder or a safetensors one).
+
+    Raises:
+        ModelNotFoundError, CheckpointError: the folder holds no readable checkpoint.
+    """
+    from moespec.gguf import SOURCE_FILE
+
+    folder = Path(folder)
+    if (folder / SOURCE_FILE).is_file():
+        from moespec.runtime.host.gguf_source import GgufSource
+
+        return GgufSource.open(folder)
+    return SafetensorsSource(folder)
+
+
 def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder | None = None) -> OffloadedModel:
-    """Load the checkpoint folder ``path`` for offloaded inference.
+    """Load the checkpoint folder ``path`` (safetensors, or a folder moespec prepared for a GGUF) for
+    offloaded inference; its weights come through one CheckpointSource (runtime.host.source).
 
     Raises:
         ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError, OptionError,
         CalibrationError (a seeded cache policy's calibration file is missing or another model's).
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from moespec.model_check import check_config
 
     path = Path(path)
-    files = safetensors_files(path)
+    check_config(path, cfg.dtype)  # config.json faults in one line, not in transformers' traceback
+    source = open_source(path)
     device = resolve_device(cfg.device)
-    config = AutoConfig.from_pretrained(path)
+    config = source.config()
     adapter = adapter_for(config)
     dtype = resolve_dtype(cfg.dtype, config)
     with init_empty_weights():
@@ -183,7 +203,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     model.eval()
     moe_layers = _moe_layers(model, adapter)
 
-    layout = adapter.layout(dtype, cfg.expert_dtype, cfg.group_size)
+    layout = source.layout(adapter, dtype, cfg.expert_dtype, cfg.group_size, cfg.requantize)
     store_bytes = ExpertStore.bytes_needed(len(moe_layers), adapter.num_experts(), layout, dtype)
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
@@ -211,16 +231,15 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
             refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
 
         # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
-        saved = QuantStoreCache.for_store(path, files, store)  # None when the layout is not quantised
+        saved = QuantStoreCache.for_store(path, source.fingerprint, store)  # None when the layout is not quantised
         from_cache = saved is not None and saved.load_into(store)
-        _load_weights(model, adapter, store, files, device, dtype, read_experts=not from_cache)
-        if saved is not None and not from_cache:
-            saved.save(store)
+        _load_weights(model, adapter, store, source, device, dtype, read_experts=not from_cache)
+        unsaved = saved.save(store) if saved is not None and not from_cache else None  # a note, never fatal
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
         predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg,
-                            [note] if note else [])
+        notes = [n for n in (note, unsaved, _kernel_note(device, cfg)) if n]
+        om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
         if om is not None:
@@ -233,6 +252,14 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     return om
 
 
+def _kernel_note(device: torch.device, cfg: RuntimeConfig) -> str | None:
+    """The one-line note when experts will be computed on the CPU (a CPU run, or misses on the host)
+    without the native kernels (moespec.kernels.native: no AVX2/FMA/F16C, no compiler, ...)."""
+    if device.type != "cpu" and cfg.on_miss == OnMiss.FETCH:
+        return None
+    return native.status().note
+
+
 def _residual_hook(runner: MoeLayerRunner, layer: int):
     def hook(module, args):
         runner.residual[layer] = args[0]
@@ -240,31 +267,26 @@ def _residual_hook(runner: MoeLayerRunner, layer: int):
     return hook
 
 
-def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, files: list[Path],
+def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, source: CheckpointSource,
                   device: torch.device, dtype: torch.dtype, read_experts: bool = True) -> None:
     from accelerate.utils import set_module_tensor_to_device
 
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    convert = adapter.expert_converter(store.layout)
-    skip = None if read_experts else (lambda name: adapter.expert_key(name) is not None)
-    for name, tensor, file in iter_tensors(files, skip):
-        key = adapter.expert_key(name)
+    for key, target, tensor, where, mapped in source.tensors(adapter, store.layout, device, dtype, read_experts):
         if key is not None:
-            for k, t, n in convert(key, tensor, name):
-                store.write(k.layer, k.expert, k.part, t, n)
+            store.write(key.layer, key.expert, key.part, tensor, target)
             continue
-        target = adapter.dense_name(name)
         if target not in params and target not in buffers:
             continue  # e.g. rotary inv_freq saved by old exports; transformers ignores these too
         skeleton = params[target] if target in params else buffers[target]
         if tuple(tensor.shape) != tuple(skeleton.shape):
-            raise CheckpointError(f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
+            raise CheckpointError(f"tensor {target} in {where} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(skeleton.shape)}")
         # The skeleton's dtype is the model dtype except where transformers keeps float32
         # (_keep_in_fp32_modules: DeepSeek/GLM router weights and e_score_correction_bias).
         keep = skeleton.dtype if skeleton.is_floating_point() else dtype
-        if device.type == "cpu" and (tensor.dtype == keep or not tensor.is_floating_point()):
+        if mapped and device.type == "cpu" and (tensor.dtype == keep or not tensor.is_floating_point()):
             # Out of the checkpoint's file mapping: a parameter viewing it would keep every page read
             # so far resident (checkpoint.iter_tensors). A cast or a device copy copies anyway.
             tensor = tensor.clone()

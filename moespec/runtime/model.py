@@ -104,9 +104,15 @@ class OffloadedModel:
         if policy.on_miss != OnMiss.FETCH and self.planner is None:
             first = self.model.model.layers[self.store.moe_layers[0]].mlp
             what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"
-            costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what)
             threads = self.runtime_config.host_threads or default_host_threads(self.device)
-            self.planner = MissPlanner(costs, HostExpertPool(self.store, self.device, threads))
+            pool = HostExpertPool(self.store, self.device, threads)
+            try:  # host times on a worker: one intra-op thread and the CPU kernels, as its jobs run
+                costs = measure_costs(self.store, self.cache.engine, self.device, self.dtype, first.act_fn, what,
+                                      pool)
+            except BaseException:
+                pool.close()
+                raise
+            self.planner = MissPlanner(costs, pool)
         self.runner.use_policy(policy, self.planner)
 
     @property

@@ -63,7 +63,7 @@ class PrefetchLedger:
                 if budget is not None:
                     budget -= 1
                 stats.prefetched += 1
-                stats.h2d_bytes += cache.expert_bytes
+                stats.h2d_bytes += cache.copy_bytes(target)
         self._pins[target] = pins
 
     def settle(self, layer: int, needed, stats: LayerStats) -> list[int] | None:
@@ -88,7 +88,7 @@ class PrefetchLedger:
                 # The copy never started: no bytes moved, the slot is free again.
                 stats.prefetched -= 1
                 stats.prefetch_cancelled += 1
-                stats.h2d_bytes -= cache.expert_bytes
+                stats.h2d_bytes -= cache.copy_bytes(layer)
             elif cache.mark_unused(slot):
                 stats.prefetch_wasted += 1
             cache.release(slot)

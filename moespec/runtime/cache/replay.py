@@ -44,6 +44,12 @@ class _NullStore:
     def expert(self, layer: int, e: int) -> torch.Tensor:
         return self._row
 
+    def row_numel(self, layer: int) -> int:
+        return 1
+
+    def copy_bytes(self, layer: int) -> int:
+        return self.expert_bytes
+
 
 class NullEngine(TransferEngine):
     """A transfer engine whose copies land at once and move nothing (cancel always succeeds)."""

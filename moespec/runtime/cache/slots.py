@@ -74,7 +74,7 @@ class ExpertCache:
         self.prefetch_slots = max(0, min(default, num_slots - 1))
         self._make_rule = rule or EvictionRule
         self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
-        self.expert_bytes = store.expert_bytes  # what one copy moves
+        self.expert_bytes = store.expert_bytes  # a slot's bytes: the most one copy moves (copy_bytes: per layer)
         self.copies = 0  # copies issued (demand + prefetch)
         self._reset()
 
@@ -145,6 +145,11 @@ class ExpertCache:
     def evictable(self) -> int:
         """Number of slots that a new copy could take now."""
         return len(self._lru) - len(self._protected)
+
+    def copy_bytes(self, layer: int) -> int:
+        """Bytes one copy of a layer-``layer`` expert moves: less than a slot where a GGUF file's
+        layers mix quant types (ExpertStore.copy_bytes)."""
+        return self.store.copy_bytes(layer)
 
     def row(self, slot: int) -> torch.Tensor:
         """The packed expert [P] held in ``slot`` (read it through ``store.layout``)."""
@@ -230,7 +235,8 @@ class ExpertCache:
         rec.key, rec.state = key, PREDICTED if prefetch else CACHED
         self._where[key] = slot
         self._by_layer.setdefault(key[0], set()).add(key[1])
-        rec.ticket = self.engine.submit(self.slots[slot], self.store.expert(*key), slot, prefetch)
+        n = self.store.row_numel(key[0])  # the layer's row: that layer's layout never reads the slot past it
+        rec.ticket = self.engine.submit(self.slots[slot, :n], self.store.expert(*key)[:n], slot, prefetch)
         rec.issued_s = time.perf_counter()
         self.copies += 1
         rec.pins = 1

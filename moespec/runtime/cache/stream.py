@@ -85,4 +85,4 @@ def _fill(cache: ExpertCache, layer: int, pending: deque, in_flight: deque, stat
             stats.prefetch_used += got.prefetched
         else:
             stats.misses += 1
-            stats.h2d_bytes += cache.expert_bytes
+            stats.h2d_bytes += cache.copy_bytes(layer)

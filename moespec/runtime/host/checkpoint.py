@@ -44,7 +44,8 @@ def safetensors_files(folder: Path) -> list[Path]:
             raise CheckpointError(f"shard(s) named in {index.name} are missing: {', '.join(missing)}",
                                   "download the model again (`moespec download MODEL`)")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    # moespec's own files beside a model (moespec-calibration/-estimator.safetensors) are not weights
+    files = sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("moespec-"))
     if not files:
         others = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".gguf", ".pt", ".pth"})
         extra = f" (found {', '.join(others)})" if others else ""

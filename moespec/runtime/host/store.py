@@ -69,6 +69,16 @@ class ExpertStore:
         """Bytes of one packed expert (what one H2D copy moves)."""
         return self.layout.numel * self.buffer.element_size()
 
+    def row_numel(self, layer: int) -> int:
+        """Storage elements of decoder layer ``layer``'s rows that hold data: ``layout.numel`` except
+        where a GGUF file's layers differ in quant type (the rest of the row is padding, never copied)."""
+        return self.layout.for_layer(layer).numel
+
+    def copy_bytes(self, layer: int) -> int:
+        """Bytes one H2D copy of a layer-``layer`` expert moves (its row's data, without the padding
+        up to the largest layer's row)."""
+        return self.row_numel(layer) * self.buffer.element_size()
+
     @property
     def total_bytes(self) -> int:
         """Bytes of all experts in the store."""
@@ -94,7 +104,8 @@ class ExpertStore:
         """
         if layer not in self.position:
             raise CheckpointError(f"tensor {name} belongs to layer {layer}, which is not an MoE layer")
-        probe = self.layout.disk_view(self.expert(layer, 0), part)
+        layout = self.layout.for_layer(layer)
+        probe = layout.disk_view(self.expert(layer, 0), part)
         if probe is None:
             raise CheckpointError(f"tensor {name} ({part}) has no place in the {type(self.layout).__name__} layout",
                                   "the checkpoint's expert format does not match its config.json")
@@ -111,15 +122,15 @@ class ExpertStore:
                                   "the checkpoint's expert format does not match its config.json")
         for k, e in enumerate(experts):
             src = tensor[k] if expert is None else tensor
-            self.layout.disk_view(self.expert(layer, e), part).copy_(src)
-            self._written.update((layer, e, p) for p in self.layout.covers(part))
+            layout.disk_view(self.expert(layer, e), part).copy_(src)
+            self._written.update((layer, e, p) for p in layout.covers(part))
 
     def missing(self) -> list[str]:
         """Human-readable list of expert parts never written (empty when loading was complete)."""
         out = []
         for layer in self.moe_layers:
             for e in range(self.num_experts):
-                for p in self.layout.disk_parts:
+                for p in self.layout.for_layer(layer).disk_parts:
                     if (layer, e, p) not in self._written:
                         out.append(f"layer {layer} expert {e} {p}")
         return out

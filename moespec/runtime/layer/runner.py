@@ -235,7 +235,7 @@ class MoeLayerRunner:
         wasted = stats.prefetch_wasted
         kept = self.ledger.settle(layer, experts, stats)  # None: nothing was predicted for this layer
         jobs, device = misses.start(layer, experts, cache, tokens, inputs, act, stats)
-        layout, engine = cache.store.layout, cache.engine
+        layout, engine = cache.store.layout.for_layer(layer), cache.engine  # GGUF layers may mix quant types
         timed = misses.times_device
         timing = rec.enabled or timed
         used = stats.prefetch_used

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from moespec.errors import OptionError
+from moespec.kernels.expert_batch import ExpertBatch, ExpertJob, Split
 from moespec.models.base import ExpertLayout
 from moespec.runtime.host.store import ExpertStore
 
@@ -45,17 +45,21 @@ class HostResult:
         raw: [t, H] raw expert output (before its gate weight), on the compute device, in x's dtype.
         start, end: when the host computed it (perf_counter seconds; the host lane of a trace).
         tokens: t.
+        busy_s: seconds its work ran, summed over the workers that shared it (None: end - start).
     """
 
     raw: torch.Tensor
     start: float
     end: float
     tokens: int
+    busy_s: float | None = None
 
     @property
     def host_ms(self) -> float:
-        """Host compute time in ms (the d2h / h2d of the activations included)."""
-        return (self.end - self.start) * 1e3
+        """Host compute time of this expert in ms, as one worker would take it (the d2h / h2d of the
+        activations included): the seconds its units ran, summed over workers (``busy_s``; an expert
+        split by rows runs on several at once), else its wall span."""
+        return (self.end - self.start if self.busy_s is None else self.busy_s) * 1e3
 
 
 @dataclass
@@ -111,17 +115,19 @@ class HostExpertPool:
         store: the host expert store (rows are read in place, never copied).
         device: the compute device (where the outputs go back to).
         threads: worker threads (>= 1).
+        split: how a layer's batch is cut over the workers (by experts, by output rows, or AUTO).
 
     Raises:
         OptionError: ``threads`` < 1 (names --host-threads).
     """
 
-    def __init__(self, store: ExpertStore, device: torch.device, threads: int) -> None:
+    def __init__(self, store: ExpertStore, device: torch.device, threads: int, split: Split = Split.AUTO) -> None:
         if threads < 1:
             raise OptionError(f"--host-threads {threads} must be at least 1")
         self.store = store
         self.device = device
         self.threads = threads
+        self.split = split
         caller_threads = torch.get_num_threads()
         if device.type == "cuda":
             # Why: each worker's matmul would otherwise fan out over every core (intra-op threads),
@@ -141,38 +147,48 @@ class HostExpertPool:
         for f in [self._pool.submit(ready.wait) for _ in range(self.threads)]:
             f.result()
 
-    def _work(self, layer: int, expert: int, x: torch.Tensor, act) -> HostResult:
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
-            xh = x if x.device.type == "cpu" else x.to("cpu")  # [t, H] d2h
-            y = host_forward(self.store.layout, xh, self.store.expert(layer, expert), act)  # [t, H]
-            if self.device.type != "cpu":
-                y = y.to(self.device)  # [t, H] h2d: the only bytes that come back
-            return HostResult(raw=y, start=t0, end=time.perf_counter(), tokens=x.shape[0])
-
-    def _work_batch(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostResult]:
-        return [self._work(layer, expert, x, act) for expert, x in items]
+    def _job(self, layer: int, x: torch.Tensor, expert: int, act) -> ExpertJob:
+        """The batch job of one expert: its store row's Linear-shaped weights (or the layout's own
+        forward), the d2h of its tokens and the h2d of its output, both on the worker."""
+        layout, row = self.store.layout.for_layer(layer), self.store.expert(layer, expert)
+        weights = layout.linear_weights(row)  # None: the layout computes itself (GPT-OSS)
+        # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
+        load = (lambda t: t) if x.device.type == "cpu" else (lambda t: t.to("cpu"))  # [t, H] d2h
+        store = (lambda y: y) if self.device.type == "cpu" else (lambda y: y.to(self.device))  # [t, H] h2d
+        glu = None if weights is None else (lambda g: layout.act_and_mul(g, act))
+        return ExpertJob(x, weights, glu=glu, act_int8=layout.act_int8, load=load, store=store,
+                         forward=lambda xh: host_forward(layout, xh, row, act))
 
     def submit_layer(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostJob]:
         """Start computing the experts ``items`` = [(expert, x [t, H])] of decoder layer ``layer``.
 
-        They go to the workers in at most ``threads`` batches (round robin, each computed in order),
-        one queue hand-off per worker instead of one per expert: a hand-off costs as much as a decode
-        expert (docs/decisions.md, 2026-11-30 "one batch per worker").
+        ONE dispatch for the layer: the experts go to the workers as one ExpertBatch
+        (moespec.kernels.expert_batch), split by experts or by output rows (``self.split``); idle
+        workers pull its units, and its one future resolves when the last unit ends (on 2 CPU cores
+        a queue hand-off cost 0.15-0.3 ms, as much as a decode expert, so never one per expert).
 
         Returns:
-            One HostJob per item, in ``items`` order; d2h/h2d bytes are t x H x itemsize each.
+            One HostJob per item, in ``items`` order, all on the batch's future; d2h/h2d bytes are
+            t x H x itemsize each.
         """
-        n = min(self.threads, len(items))
-        jobs: list[HostJob | None] = [None] * len(items)
-        for w in range(n):
-            batch = items[w::n]
-            future = self._pool.submit(self._work_batch, layer, batch, act)
-            for i, (expert, x) in enumerate(batch):
-                nbytes = x.numel() * x.element_size()
-                jobs[w + i * n] = HostJob(expert, nbytes, nbytes, future, i)
-        return jobs
+        if not items:
+            return []
+        batch = ExpertBatch([self._job(layer, x, e, act) for e, x in items], self.split, self.threads)
+        for _ in range(min(self.threads, batch.num_units)):
+            self._pool.submit(batch.run)
+        future: Future = Future()
+
+        def done(f: Future) -> None:  # ExpertDone -> HostResult, once, when the batch resolves
+            exc = f.exception()
+            if exc is not None:
+                future.set_exception(exc)
+                return
+            future.set_result([HostResult(raw=d.y, start=d.start, end=d.end, tokens=x.shape[0], busy_s=d.busy_s)
+                               for d, (_, x) in zip(f.result(), items)])
+
+        batch.future.add_done_callback(done)
+        return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), future, i)
+                for i, (e, x) in enumerate(items)]
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:
         """Start computing ``expert`` of decoder layer ``layer`` for its tokens ``x`` [t, H] (device).
@@ -180,8 +196,11 @@ class HostExpertPool:
         Returns:
             A HostJob; its d2h/h2d bytes are t x H x itemsize each.
         """
-        nbytes = x.numel() * x.element_size()
-        return HostJob(expert, nbytes, nbytes, self._pool.submit(self._work, layer, expert, x, act))
+        return self.submit_layer(layer, [(expert, x)], act)[0]
+
+    def run_on_worker(self, fn):
+        """Run ``fn()`` on one worker thread and return what it returns (re-raises what it raised)."""
+        return self._pool.submit(fn).result()
 
     def close(self) -> None:
         """Finish the queued jobs and stop the workers."""

@@ -136,23 +136,32 @@ def _median_ms(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, what: str) -> Costs:
+def measure_costs(store, engine, device: torch.device, dtype: torch.dtype, act, what: str,
+                  pool: HostExpertPool | None = None) -> Costs:
     """Benchmark one expert: the link copy, host and device compute for 1 and 16 tokens.
 
     Args:
         store: the ExpertStore; engine: the transfer engine; device, dtype: compute device and dtype.
         act: an MoE block's activation (None where the layout has its own).
         what: the model and dtype in words, for the error message.
+        pool: the host pool; its host times are taken on one of its workers (one intra-op thread,
+            the CPU kernels, as its jobs run), else on the calling thread.
 
     Raises:
         OptionError: the host cannot compute these experts (names --on-miss).
     """
-    layout, layer = store.layout, store.moe_layers[0]
+    layer = store.moe_layers[0]
+    layout = store.layout.for_layer(layer)
     row = store.expert(layer, 0)  # [P] host row, read in place
     hidden = layout.hidden
+
+    def host_times() -> dict[int, float]:
+        with torch.inference_mode():
+            return {t: _median_ms(lambda t=t: host_forward(layout, torch.zeros(t, hidden, dtype=dtype), row, act))
+                    for t in _BENCH_TOKENS}
+
     try:
-        host = {t: _median_ms(lambda t=t: host_forward(layout, torch.zeros(t, hidden, dtype=dtype), row, act))
-                for t in _BENCH_TOKENS}
+        host = host_times() if pool is None else pool.run_on_worker(host_times)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         raise OptionError(f"--on-miss cannot compute {what} experts on the host: {str(exc).splitlines()[0]}",
                           "use --on-miss fetch") from None

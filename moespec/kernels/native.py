@@ -1,0 +1,125 @@
+"""The native CPU kernels (csrc/*.c): built once per machine with the system C compiler, loaded by ctypes.
+
+Why C through ctypes, not a library kernel: on an AVX2 CPU without AVX-512 PyTorch's packed CPU
+ops (which torchao's CPU layouts call) are exact only with bfloat16 activations and outputs, take
+int8 with per-channel scales only and need K a multiple of the group; with float32 activations
+they run scalar loops. These kernels are exact with float32 activations and faster at t = 1
+(docs/decisions.md, 2026-12-01 "Host experts through moespec's own C kernels"). ctypes releases
+the GIL for the call, so pool threads run kernels in parallel.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -mavx2 -mfma -mf16c`` (:data:`FLAGS`), once per source/compiler/flags
+(the file name carries their hash) into ``<moespec home>/kernels/``, written atomically (fsutil).
+Without AVX2/FMA/F16C, without a compiler, or with ``MOESPEC_CPU_KERNELS=0`` there is no library
+and callers use the reference path (dequantise, then ``F.linear``); :func:`status` says why, in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, a8.c, expert.c: one library
+# -fno-tree-loop-distribute-patterns: gcc turned the kernels' small copy loops into ``rep movsq``,
+# which took half the time of the several-token kernel on this project's AMD VM (perf annotate).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11")
+NEEDED = ("avx2", "fma", "f16c")
+KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 2, 3
+FALLBACK = "experts computed on the CPU use the reference path (dequantise, then matmul)"
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "group_sums": (None, [_P, _I, _I, _I, _I, _P]),
+    "linear_f32act": (ctypes.c_int, [ctypes.c_int, _P, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I]),
+    "quantize_act": (None, [_P, _I, _I, _I, _I, _P, _P, _P]),
+    "linear_a8": (ctypes.c_int, [ctypes.c_int, _P, _P, _P, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I]),
+    "dequant_q4": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
+    "dequant_q8": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
+    "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
+    "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
+                                     _I, _I, _I, _P]),
+}
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the native kernels are in use.
+
+    Attributes:
+        lib: the loaded library (None: callers use the reference path).
+        note: None, or one line saying why there is no library and what runs instead.
+    """
+
+    lib: ctypes.CDLL | None
+    note: str | None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; elsewhere what torch's dispatch level implies)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import torch
+
+    level = torch.backends.cpu.get_cpu_capability()  # "AVX2" / "AVX512" imply FMA and F16C on x86
+    return set(NEEDED) if level in ("AVX2", "AVX512") else set()
+
+
+def _build(out_dir: Path, cc: str) -> Path:
+    """The compiled library for this source, compiler and flags (compiled now if absent)."""
+    from moespec.fsutil import atomic_path
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    files = sorted(CSRC.glob("*.[ch]"))
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    lib = out_dir / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        with atomic_path(lib) as tmp:
+            sources = [str(f) for f in files if f.suffix == ".c"]
+            subprocess.run([cc, *FLAGS, "-o", str(tmp), *sources, "-lm"], check=True, capture_output=True,
+                           timeout=300)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> Status:
+    """The native library, built and loaded on first use (about 1 s to compile), or why not."""
+    if os.environ.get("MOESPEC_CPU_KERNELS", "1") == "0":
+        return Status(None, f"MOESPEC_CPU_KERNELS=0: {FALLBACK}")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return Status(None, f"no native kernels for {platform.machine()}: {FALLBACK}")
+    missing = [f for f in NEEDED if f not in cpu_flags()]
+    if missing:
+        return Status(None, f"this CPU lacks {'/'.join(m.upper() for m in missing)}: {FALLBACK}")
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return Status(None, f"no C compiler ({cc}) to build the CPU kernels: {FALLBACK}")
+    from moespec.errors import MoespecError
+    from moespec.paths import moespec_home
+
+    try:
+        lib = ctypes.CDLL(str(_build(moespec_home() / "kernels", cc)))
+    except (OSError, subprocess.SubprocessError, MoespecError) as exc:
+        why = getattr(exc, "stderr", b"") or str(exc).encode()
+        first = why.decode(errors="replace").strip().splitlines()[:1] or ["failed"]
+        return Status(None, f"building the CPU kernels failed ({first[0][:80]}): {FALLBACK}")
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return Status(lib, None)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (the reference path runs)."""
+    return status().lib

@@ -1,0 +1,66 @@
+"""One SwiGLU expert in ONE native call: y = down(silu(gate(x)) * up(x)) straight from a packed row.
+
+Shapes: t tokens, H hidden, I expert intermediate.
+
+Why: a decode expert of the default model (H 576, I 80) is ~140 k weights, ~15-30 us of kernel
+work; two Linear calls, a chunk, a SiLU and a product around them cost as much again in Python and
+dispatch. :func:`swiglu_expert` runs the gate_up product, the SiLU-and-product and the down product
+in C (csrc/expert.c ``expert_swiglu``, the GIL released for all of it), reading the weights where the
+row keeps them (``ExpertLayout.native_parts``: the kernel kind and the byte offsets of each weight's
+data, scales and zeros). The two-call path (``ExpertLayout.forward``) is its reference, and the
+fallback wherever this does not apply (another activation, a GPU row, more than FUSED_MAX_TOKENS
+tokens, no native kernels).
+
+Precision: float32 as the reference, summed in another order; silu(v) = v / (1 + exp(-v)) with
+libm's expf (torch: Sleef, both within ~1 ulp). bfloat16 models: the products run in float32 and
+each stage is rounded to bfloat16 where torch rounds it (gate_up, silu(gate), silu(gate) * up, y).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moespec.kernels import native
+from moespec.kernels.linear import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_F32
+
+
+def is_silu(act) -> bool:
+    """True for torch's and transformers' SiLU (the activation the C code computes)."""
+    return act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up [t, 2I] (gate first) by the same C code as :func:`swiglu_expert`
+    (so a row-split expert equals a one-call one bit for bit), or None where it does not apply."""
+    lib = native.library()
+    if lib is None or gate_up.device.type != "cpu" or gate_up.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    g = gate_up.float().contiguous()  # [t, 2I]
+    t, i = g.shape[0], g.shape[1] // 2
+    h = torch.empty(t, i)
+    lib.silu_mul(g.data_ptr(), t, i, h.data_ptr(), int(gate_up.dtype == torch.bfloat16))
+    return h.to(gate_up.dtype)
+
+
+def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout, act) -> torch.Tensor | None:
+    """Raw output [t, H] of the SwiGLU expert in the CPU ``row`` for x [t, H], or None where the
+    one-call kernel does not apply (the caller then takes the two-call path)."""
+    lib = native.library()
+    if (lib is None or row.device.type != "cpu" or x.device.type != "cpu" or x.shape[0] > FUSED_MAX_TOKENS
+            or x.dtype not in (torch.float32, torch.bfloat16) or not is_silu(act) or not row.is_contiguous()):
+        return None
+    parts = layout.native_parts(row.dtype, x.dtype)
+    if parts is None or (parts[2] == 0 and torch.get_num_threads() > 1):  # float rows: as linear.plan
+        return None
+    if row.dtype == torch.float32 and x.shape[0] > FUSED_MAX_TOKENS_F32:  # as linear.plan: F.linear
+        return None
+    kind, offsets, group = parts
+    t = x.shape[0]
+    x32 = x.float().contiguous()  # [t, H]
+    y = torch.empty(t, layout.hidden)  # [t, H] float32
+    rc = lib.expert_swiglu(kind, int(layout.act_int8), int(x.dtype == torch.bfloat16), x32.data_ptr(), t,
+                           row.data_ptr(), *offsets, layout.hidden, layout.intermediate, group, y.data_ptr())
+    if rc != 0:
+        raise MemoryError("the CPU expert kernel could not allocate its scratch memory")
+    return y if x.dtype == torch.float32 else y.to(x.dtype)

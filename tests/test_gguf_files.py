@@ -1,0 +1,192 @@
+"""Finding GGUF models and refusing bad ones with one line that names the fix.
+
+Split sets, folders, MODEL:QUANT, the Hub cache; the prepared folder reused on the second start;
+unsupported and dense architectures, a missing split part, a truncated file, an expert type with
+no dequantiser, --expert-dtype int4 on already quantised experts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from tiny_gguf import write_gguf
+
+from moespec.config import RuntimeConfig
+from moespec.errors import CheckpointError, ModelNotFoundError, OptionError, UnsupportedModelError
+from moespec.gguf.export import ExportTypes
+from moespec.hub.resolve import resolve_model
+from moespec.runtime.load import load_offloaded
+
+IDS = torch.tensor([[5, 17, 99, 3, 200, 41]])
+
+
+def _logits(folder, **cfg) -> torch.Tensor:
+    om = load_offloaded(folder, RuntimeConfig(dtype="float32", cache_experts=4, **cfg))
+    try:
+        with torch.inference_mode():
+            return om.model(IDS).logits
+    finally:
+        om.close()
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory):
+    """A tiny Qwen3-MoE GGUF with Q8_0 experts and its reference model."""
+    return write_gguf(tmp_path_factory.mktemp("q8"), "qwen3_moe", ExportTypes("Q8_0"), hidden=64, inter=64)
+
+
+def test_split_set_loads_from_any_part_and_a_missing_part_is_named(tmp_path, q8):
+    first, ref = write_gguf(tmp_path / "split", "qwen3_moe", ExportTypes("Q8_0"), split_max_tensors=12, hidden=64, inter=64)
+    parts = sorted(first.parent.glob("*-of-*.gguf"))
+    assert len(parts) >= 3 and first.name.endswith("-00001-of-%05d.gguf" % len(parts))
+    with torch.no_grad():
+        want = ref(IDS).logits
+    assert (_logits(resolve_model(str(parts[1]))) - want).abs().max() < 1e-5  # a later part names the whole set
+    parts[1].unlink()
+    with pytest.raises(CheckpointError, match=f"missing: {parts[1].name}"):
+        resolve_model(str(first))
+
+
+def test_folder_with_several_quants_needs_model_colon_quant(tmp_path, q8):
+    path, _ = q8
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(path, folder / "Tiny-Q8_0.gguf")
+    write_gguf(folder / "f32", "qwen3_moe", ExportTypes("F32"), name="Tiny-F32.gguf", hidden=64, inter=64)
+    (folder / "mmproj-Tiny-F16.gguf").write_bytes(b"GGUF")  # a vision projector is never a candidate
+    with pytest.raises(ModelNotFoundError, match="2 GGUF models: Tiny-F32.gguf \\(F32\\), Tiny-Q8_0.gguf \\(Q8_0\\)"):
+        resolve_model(str(folder))
+    chosen = resolve_model(f"{folder}:Q8_0")
+    from moespec.artifacts import model_key
+
+    assert model_key(chosen) == os.path.abspath(folder / "Tiny-Q8_0.gguf")
+
+
+def test_hub_cache_repo_resolves_by_id_and_quant(tmp_path, monkeypatch, q8):
+    path, _ = q8
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--Tiny-GGUF"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    shutil.copy(path, repo / "snapshots" / "abc123" / "Tiny-Q8_0.gguf")
+    from moespec.artifacts import model_key
+
+    assert model_key(resolve_model("org/Tiny-GGUF")) == "org/Tiny-GGUF:Q8_0"
+    assert model_key(resolve_model("org/Tiny-GGUF:q8_0")) == "org/Tiny-GGUF:Q8_0"
+    with pytest.raises(ModelNotFoundError, match="moespec download org/Other-GGUF --quant Q4_K_M"):
+        resolve_model("org/Other-GGUF:Q4_K_M")
+
+
+def test_second_start_reuses_the_prepared_folder_until_the_file_changes(tmp_path, q8, monkeypatch):
+    from moespec.gguf import reader
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    opened = []
+    real = reader.GgufCheckpoint.open
+    monkeypatch.setattr(reader.GgufCheckpoint, "open", classmethod(lambda cls, f: opened.append(f) or real(f)))
+    assert resolve_model(str(path)) == folder and opened == []  # neither metadata nor vocabulary read again
+    os.utime(path, ns=(1, 1))
+    assert resolve_model(str(path)) == folder and len(opened) == 1
+
+
+def _write_raw(path, arch: str, experts: int) -> None:
+    """A GGUF with an architecture's basic keys and one tensor (no tokenizer)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for add, v in ((w.add_block_count, 1), (w.add_embedding_length, 32), (w.add_head_count, 4),
+                   (w.add_feed_forward_length, 64), (w.add_context_length, 128)):
+        add(v)
+    if experts:
+        w.add_expert_count(experts)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_and_dense_architectures(tmp_path):
+    _write_raw(tmp_path / "g.gguf", "gemma3", 0)
+    with pytest.raises(UnsupportedModelError, match="(?s)'gemma3'.*supported GGUF architectures: qwen3moe"):
+        resolve_model(str(tmp_path / "g.gguf"))
+    _write_raw(tmp_path / "d.gguf", "llama", 0)
+    with pytest.raises(UnsupportedModelError, match="dense llama model"):
+        resolve_model(str(tmp_path / "d.gguf"))
+
+
+def test_truncated_file(tmp_path, q8):
+    path = tmp_path / "cut.gguf"
+    data = q8[0].read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        resolve_model(str(path))
+    path.write_bytes(data[:100])  # the header itself is cut
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        resolve_model(str(path))
+
+
+def test_expert_type_without_a_dequantiser_is_named(tmp_path):
+    path, _ = write_gguf(tmp_path, "qwen3_moe", ExportTypes("TQ2_0"), hidden=256, inter=256, layers=1, experts=2)
+    with pytest.raises(CheckpointError, match="stored as TQ2_0, which moespec cannot dequantise"):
+        load_offloaded(resolve_model(str(path)), RuntimeConfig(dtype="float32"))
+
+
+def test_int4_on_quantised_experts_says_so_unless_requantize(tmp_path, q8):
+    folder = resolve_model(str(q8[0]))
+    with pytest.raises(OptionError, match=r"(?s)already quantised \(Q8_0\).*--requantize"):
+        load_offloaded(folder, RuntimeConfig(dtype="float32", expert_dtype="int4"))
+    pytest.importorskip("torchao")
+    with torch.no_grad():
+        want = q8[1](IDS).logits
+    got = _logits(folder, expert_dtype="int4", requantize=True)
+    assert 0 < (got - want).abs().max() < 0.5  # quantised again: close, not equal
+    f32, ref = write_gguf(tmp_path / "f32", "qwen3_moe", ExportTypes("F32"), hidden=64, inter=64)
+    assert _logits(resolve_model(str(f32)), expert_dtype="int4").shape == want.shape  # float experts: quantised at load
+
+
+def test_second_load_reads_the_dense_cache_instead_of_dequantising(tmp_path, q8, monkeypatch):
+    from moespec.gguf import dense_cache
+    from moespec.runtime.host import gguf_source as source
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    first = _logits(folder)
+    cache = dense_cache.cache_file(folder, torch.float32)
+    assert cache.is_file() and not list(folder.glob("*.tmp-*"))
+    calls = []
+    real = source.GgufSource._dense
+    monkeypatch.setattr(source.GgufSource, "_dense", lambda self, *a: calls.append(a) or real(self, *a))
+    assert torch.equal(_logits(folder), first) and calls == []  # nothing dequantised
+    cache.write_bytes(cache.read_bytes()[:-8])  # a cut-off cache is ignored and rewritten
+    assert torch.equal(_logits(folder), first) and calls and cache.stat().st_size > 0
+
+
+def test_header_walk_equals_gguf_reader(q8):
+    """reader._parse (the fast walk) reads what gguf's GGUFReader reads: metadata and tensor table."""
+    from gguf import GGUFReader
+
+    from moespec.gguf.reader import _parse
+
+    fields, table, data_start = _parse(q8[0])
+    ref = GGUFReader(q8[0])
+    assert data_start == ref.data_offset
+    assert [(t.name, t.ggml_type, t.offset, t.nbytes) for t in table] == \
+        [(t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes)) for t in ref.tensors]
+    assert [t.shape for t in table] == [tuple(reversed(t.shape.tolist())) for t in ref.tensors]
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        assert fields[key] == (value if not isinstance(value, list) or len(value) <= 256 else {"array_length": len(value)}), key
