@@ -64,7 +64,7 @@ def test_profile_reports_the_share(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--copy-share", "1.5"], "between 0 and 1"),
+    (["--copy-share", "1.5"], "--copy-share 1.5 must be a finite number > 0 and < 1"),  # cli/ranges.py
     (["--copy-share", "0.5", "--device", "cuda"], "needs the emulated link"),
 ])
 def test_bad_shares_are_one_line_errors(tmp_path, args, says):

@@ -199,9 +199,9 @@ class ExpertCache:
 
     def _victim(self, reserved: set[int] | None = None) -> int | None:
         """The slot a demand copy takes now: an empty one, else the oldest unused prediction, else the
-        rule's victim, among unpinned slots; the slots of the layer before (if another layer) only
-        when no other is evictable (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch), the one its demand miss
-        would take: the running layer's slots counted as released and ``reserved`` as gone (module
+        rule's victim, among unpinned slots; the layer before's only when no other is evictable
+        (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch): the one its demand miss
+        would take, the running layer's slots counted as released and ``reserved`` as gone (module
         docstring); it may be pinned or in flight now."""
         protected, records, rule = self._protected, self._slot, self.rule
         if reserved is None:
@@ -259,11 +259,8 @@ class ExpertCache:
         self.clear()
 
     def clear(self) -> None:
-        """Empty every slot (a cold cache), after all copies finished; no slot may be pinned. The
-        eviction rule starts again from its seed.
-
-        For measurements that must start from the same cache state (``moespec profile``).
-        """
+        """Empty every slot (a cold cache: the rule restarts from its seed; ``moespec profile``) after
+        all copies finished; no slot may be pinned."""
         assert not any(rec.pins for rec in self._slot), "clear() while slots are pinned"
         self.engine.synchronize()
         self._reset()
@@ -271,9 +268,8 @@ class ExpertCache:
     def abort(self) -> None:
         """After an interrupted forward (Ctrl-C): cancel queued copies, drop every pin.
 
-        Copies that never ran leave their slot empty (its key forgotten, so a later request copies
-        again); the running copy is waited for. Afterwards every slot is evictable and every
-        resident key holds its expert: the cache is as consistent as after a finished forward.
+        Copies that never ran leave their slot empty (its key forgotten); the running copy is waited
+        for. Then every slot is evictable and every resident key holds its expert, as after a forward.
         """
         for ticket in self.engine.cancel_pending():
             # The slot's current copy (or an older one still queued behind it): either way the
@@ -354,10 +350,9 @@ class ExpertCache:
     def cancel_prefetch(self, slot: int) -> bool:
         """Cancel the not-yet-started prefetch copy into ``slot``.
 
-        Returns True when the copy was dropped (no bytes moved). The slot's bytes were never
-        written, so it holds again the expert the prefetch displaced (unless that expert was
-        copied elsewhere since), in the eviction order's first place, as it was; else it is empty.
-        The caller still releases its pin.
+        Returns True when the copy was dropped (no bytes moved): the slot holds again the expert the
+        prefetch displaced (unless copied elsewhere since), first in the eviction order, as it was;
+        else it is empty. The caller still releases its pin.
         """
         rec = self._slot[slot]
         ticket = rec.ticket
@@ -389,8 +384,7 @@ class ExpertCache:
         return slot is not None and (ticket is None or self.engine.landed(ticket))
 
     def copy_age_ms(self, key: Key) -> float:
-        """Milliseconds since the copy of resident ``key`` was issued (the miss planner's estimate of how
-        much of it is left); 0.0 when ``key`` is not resident."""
+        """ms since resident ``key``'s copy was issued (0.0: not resident), the miss planner's estimate."""
         slot = self._where.get(key)
         return 0.0 if slot is None else (time.perf_counter() - self._slot[slot].issued_s) * 1e3
 
