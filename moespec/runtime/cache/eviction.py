@@ -36,7 +36,7 @@ from moespec.predict.calibration_file import load_calibration, load_checked
 from moespec.runtime.cache.slot import Key, Slot
 
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
-LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
+LFRU_DECAY = 0.97  # per visit of the layer: a use 23 tokens ago weighs half (tuned: docs/decisions.md)
 
 
 class EvictionRule:
@@ -95,21 +95,23 @@ class LfruRule(LfuRule):
     victim its demand miss would pick: slots.py) nor on the order of one visit's uses.
 
     Args:
-        seed: key -> use probability per token; counts start at p / (1 - LFRU_DECAY).
+        seed: key -> use probability per token; counts start at p / (1 - decay).
         top_k: K (kept for make_rule's signature).
         layers: M, the MoE layers (None: the layers of ``seed``, at least 1).
+        decay: per visit of the key's layer, in (0, 1); LFRU_DECAY unless a test or a sweep asks.
     """
 
     policy = CachePolicy.LFRU
 
-    def __init__(self, seed: dict[Key, float], top_k: int, layers: int | None = None) -> None:
+    def __init__(self, seed: dict[Key, float], top_k: int, layers: int | None = None,
+                 decay: float = LFRU_DECAY) -> None:
         self.top_k = top_k
         m = layers if layers is not None else len({key[0] for key in seed})
-        self.step = math.log(LFRU_DECAY) / max(m, 1)  # log-decay per visit (< 0)
+        self.step = math.log(decay) / max(m, 1)  # log-decay per visit (< 0)
         self.clock = 0  # layer visits so far
         # key -> log(count) - clock * step at its last use: its count at clock t is exp(value + t * step)
         self.value = {k: math.log(c) if c > 0 else -math.inf for k, c in
-                      ((k, p / (1.0 - LFRU_DECAY)) for k, p in seed.items())}
+                      ((k, p / (1.0 - decay)) for k, p in seed.items())}
 
     def visit(self, layer: int) -> None:
         self.clock += 1
