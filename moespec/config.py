@@ -127,6 +127,8 @@ class RuntimeConfig:
             dequantised, then quantised again); without it that is refused.
         on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
         host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
+        prediction_gate: exact and guarded layers predict only while prefetching measurably pays
+            (runtime/layer/gate.py; ``--on-miss auto`` has its own); False: every layer predicts.
     """
 
     device: str = "cpu"
@@ -147,6 +149,7 @@ class RuntimeConfig:
     cache_policy: CachePolicy | None = None
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None
+    prediction_gate: bool = True
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:

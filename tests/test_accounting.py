@@ -48,7 +48,7 @@ def test_full_cache_moves_each_expert_once(tiny_models):
 
 
 def test_prefetch_accounting_with_router_predictor(tiny_models):
-    om, _ = _generate(tiny_models["qwen2_moe"], RuntimeConfig(cache_experts=6, predictor=Predictor.ROUTER), n=12)
+    om, _ = _generate(tiny_models["qwen2_moe"], RuntimeConfig(cache_experts=6, predictor=Predictor.ROUTER, prediction_gate=False), n=12)
     eb = om.store.expert_bytes
     for s in om.recorder.steps:
         t = s.total()
@@ -69,7 +69,7 @@ def test_slot_reuse_with_odd_layer_count_and_minimum_cache(tmp_path):
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(prompt):].tolist()
-    om, got = _generate(folder, RuntimeConfig(cache_experts=4, predictor=Predictor.ROUTER, link_gbps=0.02))
+    om, got = _generate(folder, RuntimeConfig(cache_experts=4, predictor=Predictor.ROUTER, link_gbps=0.02, prediction_gate=False))
     assert got == want
     assert om.cache.copies > 5 * 2  # the small cache really was reused
 

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from moespec.cli.app import app
 from moespec.config import DEFAULT_CACHE_POLICY, CachePolicy, Predictor, RuntimeConfig
 from moespec.errors import CalibrationError
-from moespec.runtime.cache.eviction import LFRU_DECAY, hot_set, make_rule, resolve_policy, seed_from_frequencies
+from moespec.runtime.cache.eviction import LfruRule, hot_set, make_rule, resolve_policy, seed_from_frequencies
 from moespec.runtime.cache.replay import replay
 from moespec.runtime.load import load_offloaded
 
@@ -54,13 +54,12 @@ def test_lfru_forgets_old_uses_that_lfu_keeps():
     # (a: (1 + .9 + .81 + .729) * .9^3 = 2.51 < b: 1 + .9 + .81 = 2.71); then a and b are asked again.
     trace = _trace(A, A, A, A, B, B, B, C, B, A)
     lfu = replay(trace, 2, _rule(CachePolicy.LFU, {}, 2), prefetch_slots=0)
-    lfru = replay(trace, 2, _rule(CachePolicy.LFRU, {}, 2), prefetch_slots=0)
-    assert LFRU_DECAY == 0.9
+    lfru = replay(trace, 2, partial(LfruRule, {}, 1, decay=0.9), prefetch_slots=0)  # the default decays slower
     assert lfu.hits == {0: 3 + 2 + 1} and lfu.misses == {0: 4}  # c took b's slot: b misses, then a hits
     assert lfru.hits == {0: 3 + 2 + 1} and lfru.misses == {0: 4}  # same counts, other victims:
     # after c, LFU holds {a, c} and LFRU holds {b, c}
     assert replay(trace[:8] + _trace(A), 2, _rule(CachePolicy.LFU, {}, 2), prefetch_slots=0).hits == {0: 6}
-    assert replay(trace[:8] + _trace(A), 2, _rule(CachePolicy.LFRU, {}, 2), prefetch_slots=0).hits == {0: 5}
+    assert replay(trace[:8] + _trace(A), 2, partial(LfruRule, {}, 1, decay=0.9), prefetch_slots=0).hits == {0: 5}
 
 
 def test_static_never_evicts_the_hot_set():

@@ -39,7 +39,8 @@ def six_layers(tmp_path_factory):
 @pytest.mark.parametrize("stats", [True, False], ids=["stats", "nostats"])
 def test_syncs_per_layer(six_layers, monkeypatch, mode, predictor, stats):
     counter = SyncCounter(monkeypatch)
-    cfg = RuntimeConfig(cache_experts=6, predictor=predictor, execute=mode, fetch_threshold=0.4)
+    cfg = RuntimeConfig(cache_experts=6, predictor=predictor, execute=mode, fetch_threshold=0.4,
+                        prediction_gate=False)  # every layer predicts: its syncs are counted
     om = load_offloaded(six_layers, cfg, StatsRecorder() if stats else None)
     runs, ends = [], []
     om.runner.run = counter.counted(om.runner.run, runs, lambda block, x: (block.layer, x.shape[0]))

@@ -96,6 +96,9 @@ def profile(
     expert_dtype: str = ExpertDtype,
     group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
+    copy_share: Optional[float] = typer.Option(
+        None, "--copy-share", help="Set the emulated link (CPU) so on-demand copies are this share of on-demand "
+                                   "TPOT, from an unthrottled on-demand probe in the same run (e.g. 0.75; replaces --link-gbps)."),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="Calibration file for quasi / hybrid."),
     estimator: Optional[str] = EstimatorPath,
     data: Optional[str] = typer.Option(None, "--data", help="Text file for the prompt (default: shipped held-out text)."),
@@ -124,6 +127,9 @@ def profile(
         render_compare(load_report(compare[0]), load_report(compare[1]), str(compare[0]), str(compare[1]), out_console,
                        wide=wide)
         return
+    from moespec.profile.copy_share import check_copy_share
+
+    check_copy_share(copy_share, device)
     # a missing calibration/estimator file is refused first, before torch loads (under a second)
     from moespec.profile.strategy import parse_on_miss_list, parse_strategies
 
@@ -140,15 +146,26 @@ def profile(
         require_matplotlib()
     if gen < 1 or repeats < 1 or warmup < 0:
         raise OptionError("--gen and --repeats must be at least 1, --warmup at least 0")
+
     report, timelines = _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute,
                              fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
                              trace is not None, threads, expert_dtype, group_size, cache_policy, guard_rule,
-                             decode_inputs)
+                             decode_inputs, copy_share)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
     render_report(report, out_console, wide=wide)
+    for res in report["results"]:  # where the prediction gate stopped predicting, and why
+        closed = [g for g in res.get("gate") or () if not g["open"]]
+        if closed:
+            out_console.print(f"{res['strategy']} (prompt {res['prompt_len']}): prediction gated at layer "
+                              + ", ".join(f"{g['layer']} ({g['why']})" for g in closed))
+    share = report.get("copy_share")
+    if share:
+        reached = ", ".join(f"{v:.2f} at prompt {p}" for p, v in share["reached"].items() if v is not None)
+        out_console.print(f"copies: share asked {share['asked']:.2f}, reached {reached or 'n/a (no none arm)'}; "
+                          f"link set to {share['link_gbps']:.3g} GB/s")
     if out is not None:
         write_json(out, report, force=True)
         err_console.print(f"[dim]report written to {out}[/]")
@@ -166,7 +183,8 @@ def profile(
 
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
-         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy"):
+         expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy",
+         copy_share=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -232,7 +250,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             f"on {om.device}, cache policy {om.cache.policy.value}[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline,
-                             decode_inputs=forced)
+                             decode_inputs=forced, copy_share=copy_share)
         prof = run_profile(om, _tokenizer(path), pcfg, predictors,
                            progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
         host_threads_used = om.planner.pool.threads if om.planner is not None else None
@@ -243,7 +261,8 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
                    "decode_inputs": forced.value,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "group_size": group_size,
-                   "link_gbps": link_gbps, "calibration": calibration, "estimator": estimator, "data": data,
+                   "link_gbps": link_gbps, "copy_share": copy_share, "calibration": calibration,
+                   "estimator": estimator, "data": data,
                    "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}
         report = build_report(describe(om, model_id), options, pcfg, prof)
         report["policy_hit_rates"] = _policy_hit_rates(om, path, calibration, prof)

@@ -135,6 +135,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
                    "prefetched": tot.prefetched, "prefetch_used": tot.prefetch_used, "h2d_bytes": tot.h2d_bytes,
                    "copy_bytes": copy_bytes},
         "token_sha256": runs[0].token_sha256,
+        "gate": getattr(runs[-1], "gate", None),  # per source layer: open, ran, skipped, saving/cost ms, why
         "per_layer": [{
             "layer": layer, "hits": st.hits / n, "misses": st.misses / n, "prefetched": st.prefetched / n,
             "prefetch_used": st.prefetch_used / n, "prefetch_wasted": st.prefetch_wasted / n,
@@ -143,6 +144,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
             "weighted_recall": _ratio(st.weighted_hit, st.weighted_total), "skipped": st.skipped / n,
             "host_computed": st.host_computed / n, "host_ms": st.host_ms / n, "d2h_bytes": st.d2h_bytes / n,
             "host_h2d_bytes": st.host_h2d_bytes / n, "skipped_mass": st.skipped_mass / n,
+            "predicted": st.predicted / n, "predict_gated": st.predict_gated / n,
         } for layer, st in sorted(per_layer.items())],
     }
 
@@ -186,7 +188,19 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
         "trace": {"source": first.source if first else "", "gen": cfg.gen,
                   "prompts": [{"prompt_len": p, "token_sha256": t.sha256()} for p, t in prof.traces.items()]},
         "results": results,
+        "copy_share": _copy_share(prof, results),
     }
+
+
+def _copy_share(prof: ProfileRun, results: list[dict]) -> dict | None:
+    """``--copy-share``: what was asked, the probe, the link set and the share reached per prompt length
+    (by the timed on-demand arm; None without one)."""
+    share = prof.copy_share
+    if share is None:
+        return None
+    reached = {str(r["prompt_len"]): share.reached(r["tpot_ms"]["mean"]) for r in results if r["strategy"] == "none"}
+    return {"asked": share.asked, "probe_tpot_ms": share.probe_tpot_ms, "bytes_per_token": share.bytes_per_token,
+            "link_gbps": share.link_gbps, "reached": reached}
 
 
 def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "--out") -> None:

@@ -15,9 +15,10 @@ from typing import Callable
 import torch
 
 from moespec.config import ExecuteMode, Predictor
-from moespec.predict.base import NextLayerPredictor
+from moespec.predict.base import NextLayerPredictor, NoPredictor
 from moespec.predict.oracle import OraclePredictor
 from moespec.profile.bounds import StepBounds, step_bounds
+from moespec.profile.copy_share import CopyShare, set_share, unthrottle
 from moespec.profile.probes import CopyLog, LayerTimer, installed
 from moespec.profile.strategy import Strategy
 from moespec.profile.trace import (DecodeInputs, TokenTrace, cold_start, load_text, prompt_tokens, record_trace,
@@ -42,6 +43,8 @@ class ProfileConfig:
         seed: seed for prompt ids when the model has no tokenizer.
         timeline: record a timeline of one decode step per strategy (``--trace``).
         decode_inputs: what the decode steps are teacher-forced on (trace.py).
+        copy_share: ``--copy-share``: an unthrottled on-demand probe sets the emulated link so copies
+            are this share of on-demand TPOT (copy_share.py); None: the link as loaded.
     """
 
     strategies: tuple[Strategy, ...]
@@ -54,6 +57,7 @@ class ProfileConfig:
     seed: int = 0
     timeline: bool = False
     decode_inputs: DecodeInputs = DecodeInputs.GREEDY
+    copy_share: float | None = None
 
 
 @dataclass
@@ -93,6 +97,7 @@ class RunRecord:
     steps: list[StepRecord]
     token_sha256: str
     prefill: LayerStats | None = None  # the prefill step summed over layers (where its experts ran)
+    gate: list[dict] | None = None  # the prediction gate per source layer at the run's end (gate.py)
 
 
 @dataclass
@@ -135,6 +140,7 @@ class ProfileRun:
     traces: dict[int, TokenTrace]
     runs: list[RunRecord]
     timelines: list[Timeline]
+    copy_share: CopyShare | None = None
 
 
 class _SpanKeepingRecorder(StatsRecorder):
@@ -173,7 +179,7 @@ def measure_link(om, copies: int = 8) -> LinkMeasurement:
     eng.synchronize()
     busy = eng.busy_seconds() - busy0
     gbps = n * store.expert_bytes / busy / 1e9 if busy > 0 else float("inf")
-    return LinkMeasurement(gbps=gbps, emulated_gbps=om.runtime_config.link_gbps, pinned=store.pinned,
+    return LinkMeasurement(gbps=gbps, emulated_gbps=getattr(eng, "link_gbps", None), pinned=store.pinned,
                            copies=n, bytes_per_copy=store.expert_bytes)
 
 
@@ -238,7 +244,9 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
-    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill), timeline
+    gate = getattr(om.runner.prefetcher, "gate", None)
+    gated = None if gate is None else [{"layer": layer, **g} for layer, g in gate.report().items()]
+    return RunRecord(strategy, len(trace.prompt), repeat, ttft, steps, sha, prefill, gated), timeline
 
 
 def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],
@@ -256,6 +264,7 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
     refs = om.layer_refs()
     arms = cfg.strategies
     traces, runs, timelines = {}, [], []
+    share = None
     saved_policy, saved_recorder = om.policy, om.recorder
     with installed(om) as (timer, log):
         try:
@@ -270,6 +279,16 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
                 progress(f"prompt {plen}: exact run (records the trace)")
                 trace = record_trace(om, engine, prompt, cfg.gen, source, forced)
                 traces[plen] = trace
+                if cfg.copy_share is not None and share is None:  # once, on the first prompt's trace
+                    progress(f"prompt {plen}: on-demand probe with unthrottled copies (--copy-share)")
+                    unthrottle(om)
+                    for _ in range(2):  # the second: after the first run's one-time costs
+                        probe, _ = _run(om, engine, trace, Strategy(Predictor.NONE), NoPredictor(om.adapter, refs),
+                                        cfg, timer, log, link.gbps, cfg.gen, -1, None)
+                    share = set_share(om, cfg.copy_share, probe.steps)
+                    link = measure_link(om)
+                    progress(f"link set to {share.link_gbps:.3g} GB/s: on-demand TPOT {share.probe_tpot_ms:.1f} ms "
+                             f"unthrottled, {share.bytes_per_token / 1e6:.2f} MB/token")
                 preds = dict(predictors)
                 if any(a.predictor == Predictor.ORACLE for a in arms):
                     oracle = OraclePredictor(om.adapter, refs, trace.routings)
@@ -291,4 +310,4 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
             om.reset_step()
             om.use_policy(saved_policy)
             om.set_recorder(saved_recorder)
-    return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines)
+    return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines, copy_share=share)

@@ -27,6 +27,8 @@ _PER_LAYER = _obj({
     "prefetch_wasted": _NUM, "h2d_bytes": _NUM, "stall_ms": _NUM, "compute_ms": _NUM, "layer_ms": _NUM,
     "recall": _NUM_OR_NULL, "weighted_recall": _NUM_OR_NULL, "skipped": _NUM,
     "host_computed": _NUM, "host_ms": _NUM, "d2h_bytes": _NUM, "host_h2d_bytes": _NUM, "skipped_mass": _NUM,
+    # decode visits per token at which the layer predicted the next one / the prediction gate skipped it
+    "predicted": _NUM, "predict_gated": _NUM,
 }, required=["layer", "hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted", "h2d_bytes", "stall_ms",
              "compute_ms", "layer_ms", "recall", "weighted_recall", "skipped"])
 
@@ -73,13 +75,14 @@ _RESULT = _obj({
                     "prefetch_used": _INT, "h2d_bytes": _INT, "copy_bytes": _INT}),
     "token_sha256": _STR,
     "per_layer": {"type": "array", "items": _PER_LAYER},
+    "gate": {"type": ["array", "null"]},  # the prediction gate per source layer (runtime/layer/gate.py)
 })
 # Reports written before --on-miss have none of these: optional, so they still load.
 _RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "tpot_ratio_vs_fetch", "host",
                                                                            "tpot_runs_ms", "fetch_threshold",
                                                                            "skipped_mass_per_token",
                                                                            "skipped_mass_per_layer",
-                                                                           "substituted_per_token", "vs_exact")]
+                                                                           "substituted_per_token", "vs_exact", "gate")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -105,6 +108,8 @@ REPORT_SCHEMA = {
             {"prompt_len": _INT, "token_sha256": _STR})}}),
         "results": {"type": "array", "items": _RESULT},
         "policy_hit_rates": {"type": "object"},  # optional: prompt length -> policy -> hit rates
+        # optional (--copy-share): asked, probe_tpot_ms, bytes_per_token, link_gbps, reached (prompt len -> share)
+        "copy_share": {"type": ["object", "null"]},
     }, required=["schema_version", "kind", "created", "versions", "hardware", "model", "options", "cache", "link",
                  "trace", "results"]),
 }

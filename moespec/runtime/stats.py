@@ -29,7 +29,9 @@ class LayerStats:
     skipped_mass: their share of the token's true top-K gate mass (renormalised weight, summed over
     tokens). host_computed: misses computed on the host from their store
     row (``--on-miss host|auto``; counted in neither hits nor misses); host_ms: their host time;
-    d2h_bytes / host_h2d_bytes: the activations they sent to the host and the outputs that came back. Counters computed on the device wait in ``pending`` (as
+    d2h_bytes / host_h2d_bytes: the activations they sent to the host and the outputs that came back.
+    predicted / predict_gated: decode visits at which this layer predicted the next one / at which
+    the prediction gate (runtime/layer/gate.py) skipped that because it did not pay. Counters computed on the device wait in ``pending`` (as
     times wait in ``spans``) until end_step reads them all in one transfer.
     """
 
@@ -53,6 +55,8 @@ class LayerStats:
     host_ms: float = 0.0
     d2h_bytes: int = 0
     host_h2d_bytes: int = 0
+    predicted: int = 0
+    predict_gated: int = 0
     spans: list = field(default_factory=list, repr=False)  # (field name, Span), resolved at end_step
     pending: list = field(default_factory=list, repr=False)  # (field name, 0-dim tensor), read at end_step
 

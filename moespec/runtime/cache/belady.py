@@ -33,6 +33,7 @@ class BeladyRule(EvictionRule):
     """
 
     policy = None  # offline only: no --cache-policy runs it
+    keeps_last_visit = False  # the bound is over every demand-paging choice
 
     def __init__(self, trace: Iterable[dict[int, list[int]]]) -> None:
         self.next: dict[Key, deque[int]] = {}  # key -> visit indices of its uses still to come

@@ -10,8 +10,8 @@ token at the key's layer", so keys of different layers compare.
 - ``lfu``: the fewest uses; counts seeded with the calibration file's frequencies (per-token use
   probability x ``SEED_TOKENS`` pseudo-tokens) and incremented on every use; ties go to LRU order.
 - ``lfru``: frequency with recency decay: a key's count decays by ``LFRU_DECAY`` per visit of its
-  layer (one visit = K uses of the layer) and gains 1 per use; seeded with p / (1 - decay), its
-  stationary value. Ties go to LRU order.
+  layer (1/M of it per visit of any of the M layers, so all keys decay alike) and gains 1 per use;
+  seeded with p / (1 - decay), its stationary value. Ties go to LRU order.
 - ``static``: a hot set of the ``hot_slots`` most frequent (layer, expert) keys of the calibration
   file (the frequency placement of KTransformers' GPU experts) is never evicted once loaded;
   everything else is LRU. ``hot_slots`` = slots - 2K, so the running layer and one layer's
@@ -23,6 +23,7 @@ replacement algorithm" (1993) and Lee et al., "LRFU" (2001), which the decayed c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,16 +36,22 @@ from moespec.predict.calibration_file import load_calibration, load_checked
 from moespec.runtime.cache.slot import Key, Slot
 
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
-LFRU_DECAY = 0.9  # per visit of the layer: a use 7 tokens ago weighs half
+LFRU_DECAY = 0.97  # per visit of the layer: a use 23 tokens ago weighs half (tuned: docs/decisions.md)
 
 
 class EvictionRule:
     """LRU: the victim is the first of ``order`` (slots in release order, oldest and empties first)."""
 
     policy = CachePolicy.LRU
+    # The last layer's experts are evicted only when nothing else can go: a prefetch for the next
+    # layer picks its slot while they are pinned, so its demand miss must pick the same (slots.py).
+    keeps_last_visit = True
 
     def used(self, key: Key) -> None:
         """``key`` was acquired for compute (a hit or a miss)."""
+
+    def visit(self, layer: int) -> None:
+        """A visit of ``layer`` begins (the stream calls it before the layer's first acquire)."""
 
     def victim(self, order: Iterable[Slot]) -> Slot | None:
         """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
@@ -63,7 +70,7 @@ class LfuRule(EvictionRule):
         self.count[key] = self.count.get(key, 0.0) + 1.0
 
     def score(self, key: Key) -> float:
-        """Retention value of ``key`` (higher is kept)."""
+        """Retention value of ``key`` (higher is kept; compared among keys, never against a constant)."""
         return self.count.get(key, 0.0)
 
     def victim(self, order: Iterable[Slot]) -> Slot | None:
@@ -79,28 +86,43 @@ class LfuRule(EvictionRule):
 
 
 class LfruRule(LfuRule):
-    """Frequency decayed by recency: count x LFRU_DECAY^(visits of the layer since the last use) + 1 per use."""
+    """Frequency decayed by recency: count x LFRU_DECAY^(visits of the layer since the last use) + 1 per use.
+
+    The clock counts layer visits of every layer (``visit``), M of them per decode token, and a
+    count decays by LFRU_DECAY^(1/M) per visit: so by LFRU_DECAY per visit of its own layer, as
+    every key decays alike. The retention value is kept as a log relative to visit 0, so comparing
+    two keys does not depend on when they are compared (a prefetch picks, ahead of its layer, the
+    victim its demand miss would pick: slots.py) nor on the order of one visit's uses.
+
+    Args:
+        seed: key -> use probability per token; counts start at p / (1 - decay).
+        top_k: K (kept for make_rule's signature).
+        layers: M, the MoE layers (None: the layers of ``seed``, at least 1).
+        decay: per visit of the key's layer, in (0, 1); LFRU_DECAY unless a test or a sweep asks.
+    """
 
     policy = CachePolicy.LFRU
 
-    def __init__(self, seed: dict[Key, float], top_k: int) -> None:
+    def __init__(self, seed: dict[Key, float], top_k: int, layers: int | None = None,
+                 decay: float = LFRU_DECAY) -> None:
         self.top_k = top_k
-        self.count = {k: p / (1.0 - LFRU_DECAY) for k, p in seed.items()}
-        self.stamp: dict[Key, int] = {}  # key -> layer uses when its count was last brought up to date
-        self.uses: dict[int, int] = {}  # layer -> uses so far
+        m = layers if layers is not None else len({key[0] for key in seed})
+        self.step = math.log(decay) / max(m, 1)  # log-decay per visit (< 0)
+        self.clock = 0  # layer visits so far
+        # key -> log(count) - clock * step at its last use: its count at clock t is exp(value + t * step)
+        self.value = {k: math.log(c) if c > 0 else -math.inf for k, c in
+                      ((k, p / (1.0 - decay)) for k, p in seed.items())}
 
-    def _decayed(self, key: Key, now: int) -> float:
-        age = now - self.stamp.get(key, 0)
-        return self.count.get(key, 0.0) * LFRU_DECAY ** (age / self.top_k)
+    def visit(self, layer: int) -> None:
+        self.clock += 1
 
     def used(self, key: Key) -> None:
-        now = self.uses.get(key[0], 0) + 1  # the layer's clock advances by one use
-        self.uses[key[0]] = now
-        self.count[key] = self._decayed(key, now) + 1.0
-        self.stamp[key] = now
+        shift = self.clock * self.step
+        now = math.exp(self.value.get(key, -math.inf) + shift)  # the decayed count now
+        self.value[key] = math.log(now + 1.0) - shift
 
     def score(self, key: Key) -> float:
-        return self._decayed(key, self.uses.get(key[0], 0))
+        return self.value.get(key, -math.inf)
 
 
 class StaticRule(EvictionRule):

@@ -45,24 +45,23 @@ class PrefetchLedger:
         """Pin ``experts`` of layer ``target`` ahead of use: the resident ones first (no copy, so no
         copy of this prediction evicts one of them), then copies of the others, in the given order.
 
-        Best effort: stops at the first expert the cache has no room for. ``budget``: most experts
-        copied (``--on-miss auto``: what lands within a layer), resident ones free; None: no limit.
-        Counts the copies as ``stats.prefetched`` and their bytes as ``stats.h2d_bytes``.
+        Each copy takes the slot its demand miss would take when ``target`` runs, or none (the cache
+        has no such slot free now: ``ExpertCache.prefetch``); an expert skipped leaves that slot to
+        its miss, so a perfect prediction evicts exactly what on-demand loading would. ``budget``:
+        most experts copied (``--on-miss auto``: what lands within a layer), resident ones free;
+        None: no limit. Counts the copies as ``stats.prefetched`` and their bytes as ``stats.h2d_bytes``.
         """
         cache = self.cache
-        resident = set(cache.resident_experts(target)) if budget is not None else ()
-        pins = []
+        pins, reserved = [], set()
         for e in cache.resident_first(target, experts):
-            if budget is not None and e not in resident:
-                if budget == 0:
-                    continue
-                budget -= 1
-            got = cache.prefetch((target, e))
+            got = cache.prefetch((target, e), reserved, budget is None or budget > 0)
             if got is None:
-                break  # no free slot: prefetch is best effort
+                continue  # no copy: its demand miss takes the slot it was given
             slot, copied = got
             pins.append(slot)
             if copied:
+                if budget is not None:
+                    budget -= 1
                 stats.prefetched += 1
                 stats.h2d_bytes += cache.copy_bytes(target)
         self._pins[target] = pins

@@ -94,7 +94,8 @@ class ReplayResult:
 
 
 def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None = None,
-           predictions: Trace | None = None, prefetch_slots: int | None = None) -> ReplayResult:
+           predictions: Trace | None = None, prefetch_slots: int | None = None,
+           engine: TransferEngine | None = None) -> ReplayResult:
     """Run ``trace`` through a fresh ExpertCache of ``num_slots`` slots.
 
     Args:
@@ -103,8 +104,9 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
         predictions: per step, layer -> predicted ids for that layer, prefetched while the layer
             before it runs (None = on-demand).
         prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
+        engine: the stand-in transfer engine (None: NullEngine, copies land at once).
     """
-    cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), NullEngine(), rule, prefetch_slots)
+    cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), engine or NullEngine(), rule, prefetch_slots)
     ledger = PrefetchLedger(cache)
     recorder = NullRecorder()
     stats: dict[int, LayerStats] = {}

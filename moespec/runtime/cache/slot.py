@@ -1,4 +1,5 @@
-"""One device slot of the expert cache: what it holds, its pins, its copy (one record per slot).
+"""One device slot of the expert cache: what it holds, its pins, its copy (one record per slot), and
+what acquiring one for compute returns.
 
 A slot's state says what its bytes are; pins and the copy in flight are separate, since a slot in
 any state but EMPTY may be pinned, and a copy into it may still be running.
@@ -51,3 +52,18 @@ class Slot:
     def predicted(self) -> bool:
         """Holds a prediction no compute has used (PREDICTED or UNUSED): reused before the rule's victim."""
         return self.state is SlotState.PREDICTED or self.state is SlotState.UNUSED
+
+
+@dataclass
+class Acquired:
+    """Result of acquiring an expert for compute.
+
+    Attributes:
+        slot: slot index.
+        hit: the expert was resident (or already in flight) before this request.
+        prefetched: it was there because a prefetch brought it and this is its first use.
+    """
+
+    slot: int
+    hit: bool
+    prefetched: bool

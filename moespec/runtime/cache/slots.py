@@ -15,51 +15,41 @@ takes slots as a miss would"):
   slot's place in the eviction order (a prediction is not a use). The ledger (ledger.py) pins a
   layer's resident predictions before it copies any other, as a layer pins its hits before its
   misses (stream.py).
-- A copy, demand or prefetch, takes the first of: an empty slot; the oldest **unused
-  prediction** (a prefetched expert whose target layer ran without it); the eviction rule's
-  victim (``--cache-policy``, eviction.py). Never a pinned slot; a prefetch never takes one
-  whose copy is still in flight either, and holds at most ``prefetch_slots`` (K) slots with
-  unused copies at once. There is no reserved prefetch area: every slot is cache.
-- So a right prediction evicts, only earlier, what its demand miss would have evicted, and moves
-  the same bytes; a wrong one copies once (a wasted prediction) and its slot is the next to be
-  reused, so it displaces at most the one expert the rule gave up for it. A prefetch whose copy
-  is cancelled before it started (its target layer came first) gives its slot back to the expert
-  it displaced: the slot's bytes were never written.
+- A demand copy takes the first of: an empty slot; the oldest **unused prediction** (a
+  prefetched expert whose target layer ran without it); the eviction rule's victim
+  (``--cache-policy``, eviction.py) among the others but the layer before's, then among those;
+  never a pinned slot. There is no reserved prefetch area: every slot is cache.
+- A prefetch copy takes exactly the slot its demand miss would take when the target layer runs,
+  or none: the choice is made as if the running layer were done (its slots released, in expert
+  order, behind every other: stream.py) and the slots left to the target's skipped prefetches
+  were gone. When that slot is pinned or in flight now, or ``prefetch_slots`` (K) unused copies
+  are pinned already, the prefetch is skipped and the slot left to its miss. The rules compare
+  keys alike whenever they are asked (eviction.py), and the order a layer's uses or releases come
+  in changes nothing, so a perfect prediction evicts what on-demand loading evicts, only earlier:
+  the same bytes under every policy (tests/test_prefetch_bound.py, random traces). A wrong one
+  copies once (a wasted prediction) and its slot is the next to be reused, so it displaces at
+  most the one expert the rule gave up for it. A prefetch whose copy is cancelled before it
+  started (its target layer came first) gives its slot back to the expert it displaced.
 - A used prediction is an ordinary cache entry: the rule hears of its use as of any other.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from moespec.config import CachePolicy
 from moespec.runtime.cache.eviction import EvictionRule
-from moespec.runtime.cache.slot import Key, Slot, SlotState
+from moespec.runtime.cache.slot import Acquired, Key, Slot, SlotState
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
 
 EMPTY, CACHED, PREDICTED, UNUSED, RESTORED = (SlotState.EMPTY, SlotState.CACHED, SlotState.PREDICTED,
                                               SlotState.UNUSED, SlotState.RESTORED)
-
-
-@dataclass
-class Acquired:
-    """Result of acquiring an expert for compute.
-
-    Attributes:
-        slot: slot index.
-        hit: the expert was resident (or already in flight) before this request.
-        prefetched: it was there because a prefetch brought it and this is its first use.
-    """
-
-    slot: int
-    hit: bool
-    prefetched: bool
 
 
 class ExpertCache:
@@ -80,9 +70,8 @@ class ExpertCache:
         self.store = store
         self.engine = engine
         self.num_slots = num_slots
-        if prefetch_slots is None:
-            prefetch_slots = num_slots // 2
-        self.prefetch_slots = max(0, min(prefetch_slots, num_slots - 1))
+        default = num_slots // 2 if prefetch_slots is None else prefetch_slots
+        self.prefetch_slots = max(0, min(default, num_slots - 1))
         self._make_rule = rule or EvictionRule
         self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
         self.expert_bytes = store.expert_bytes  # a slot's bytes: the most one copy moves (copy_bytes: per layer)
@@ -100,6 +89,9 @@ class ExpertCache:
         self._protected: set[int] = set()  # in _lru but pinned by a prefetch (not evictable)
         self._spare: set[int] = set()  # in _lru and holding a prediction no compute used
         self._held: set[int] = set()  # pinned, holding a prefetch copy not used yet (<= prefetch_slots)
+        # The running layer (begin_visit) and the slots it acquired; the slots of the visit before, if
+        # of another layer (a demand copy takes them last: _victim).
+        self._visit_layer, self._visit, self._last = None, [], set()
 
     @property
     def policy(self) -> CachePolicy:
@@ -120,9 +112,8 @@ class ExpertCache:
         return self._by_layer.get(layer, set())
 
     def resident_first(self, layer: int, experts: list[int]) -> list[int]:
-        """``experts`` of ``layer`` with the resident ones first, each group in the given order: the
-        order a layer pins its hits before its misses, and a prediction its resident experts before
-        copying others, so no copy evicts an expert the same request needs."""
+        """``experts`` of ``layer``, resident ones first, each group in the given order (a layer pins its
+        hits before its misses, a prediction its resident experts): no copy evicts what it needs."""
         resident = self.resident_experts(layer)
         return [e for e in experts if e in resident] + [e for e in experts if e not in resident]
 
@@ -206,20 +197,34 @@ class ExpertCache:
         rec.key = None
         rec.state = EMPTY
 
-    def _victim(self, settled: bool) -> int | None:
-        """The slot a copy takes: an empty one, else the oldest unused prediction, else the rule's
-        victim; among unpinned slots (``settled``: none whose copy is in flight)."""
-        protected, records = self._protected, self._slot
+    def _victim(self, reserved: set[int] | None = None) -> int | None:
+        """The slot a demand copy takes now: an empty one, else the oldest unused prediction, else the
+        rule's victim, among unpinned slots; the layer before's only when no other is evictable
+        (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch): the one its demand miss
+        would take, the running layer's slots counted as released and ``reserved`` as gone (module
+        docstring); it may be pinned or in flight now."""
+        protected, records, rule = self._protected, self._slot, self.rule
+        if reserved is None:
+            back_set = self._last if rule.keeps_last_visit else ()
+            skip = protected.union(back_set) if back_set else protected
+            back = lambda: (records[s] for s in self._lru if s in back_set and s not in protected)  # noqa: E731
+        else:
+            skip = protected | reserved
+            running = [records[s] for s in self._visit if records[s].pins and s not in skip]
+            back = lambda: iter(sorted(running, key=lambda rec: rec.key))  # noqa: E731 (released in key order)
 
-        def order():  # lazily: LRU's victim is usually the first slot
-            return (records[s] for s in self._lru if s not in protected and not (settled and self.in_flight(s)))
+        def front():  # lazily: LRU's victim is usually the first slot
+            return (records[s] for s in self._lru if s not in skip)
 
         if self._spare:  # unpinned unused predictions exist (empty slots are first in the order anyway)
-            for rec in order():
+            for rec in front():
                 state = rec.state  # identity tests: no call per slot on this scan
                 if state is EMPTY or state is PREDICTED or state is UNUSED:
                     return rec.index
-        got = self.rule.victim(order())
+        if rule.keeps_last_visit:
+            got = rule.victim(front()) or rule.victim(back())
+        else:
+            got = rule.victim(itertools.chain(front(), back()))
         return None if got is None else got.index
 
     def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
@@ -241,7 +246,7 @@ class ExpertCache:
 
     def _load(self, key: Key) -> int | None:
         """A demand copy of ``key`` into the slot ``_victim`` picks; None when every slot is pinned."""
-        slot = self._victim(settled=False)
+        slot = self._victim()
         if slot is None:
             return None
         del self._lru[slot]
@@ -254,11 +259,8 @@ class ExpertCache:
         self.clear()
 
     def clear(self) -> None:
-        """Empty every slot (a cold cache), after all copies finished; no slot may be pinned. The
-        eviction rule starts again from its seed.
-
-        For measurements that must start from the same cache state (``moespec profile``).
-        """
+        """Empty every slot (a cold cache: the rule restarts from its seed; ``moespec profile``) after
+        all copies finished; no slot may be pinned."""
         assert not any(rec.pins for rec in self._slot), "clear() while slots are pinned"
         self.engine.synchronize()
         self._reset()
@@ -266,9 +268,8 @@ class ExpertCache:
     def abort(self) -> None:
         """After an interrupted forward (Ctrl-C): cancel queued copies, drop every pin.
 
-        Copies that never ran leave their slot empty (its key forgotten, so a later request copies
-        again); the running copy is waited for. Afterwards every slot is evictable and every
-        resident key holds its expert: the cache is as consistent as after a finished forward.
+        Copies that never ran leave their slot empty (its key forgotten); the running copy is waited
+        for. Then every slot is evictable and every resident key holds its expert, as after a forward.
         """
         for ticket in self.engine.cancel_pending():
             # The slot's current copy (or an older one still queued behind it): either way the
@@ -308,29 +309,40 @@ class ExpertCache:
             if prefetched or state is UNUSED:
                 rec.state = CACHED
             self._held.discard(slot)
+            self._visit.append(slot)
             return Acquired(slot, hit=True, prefetched=prefetched)
         slot = self._load(key)
         if slot is None:
             return None
         self.rule.used(key)
+        self._visit.append(slot)
         return Acquired(slot, hit=False, prefetched=False)
 
-    def prefetch(self, key: Key) -> tuple[int, bool] | None:
-        """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no room).
+    def begin_visit(self, layer: int) -> None:
+        """A layer starts acquiring its experts (stream.py calls it first): the eviction rule's clock
+        moves on, and the slots it acquires from now on are the running layer's (``prefetch``)."""
+        self._last = set(self._visit) if layer != self._visit_layer else set()
+        self._visit, self._visit_layer = [], layer
+        self.rule.visit(layer)
 
-        A resident ``key`` is only pinned (no copy, nothing evicted). Otherwise the copy takes the
-        slot a demand miss would (empty, unused prediction, rule's victim), never a pinned or
-        in-flight one, and only while fewer than ``prefetch_slots`` unused prefetch copies are
-        pinned. The pin protects the slot until the caller releases it after the target layer ran.
+    def prefetch(self, key: Key, reserved: set[int] | None = None, copy: bool = True) -> tuple[int, bool] | None:
+        """Pin ``key`` ahead of use, copying it if absent. Returns (slot, copied) or None (no copy).
+
+        A resident ``key`` is only pinned. Otherwise the copy takes exactly the slot its demand miss
+        would take, or none (module docstring; ``copy`` False: the budget is spent) and that slot joins
+        ``reserved``, the slots left to the target layer's misses (one set per prediction). The pin
+        holds until the caller releases it after the target layer ran.
         """
         slot = self._where.get(key)
         if slot is not None:
             self._protect(slot)
             return slot, False
-        if len(self._held) >= self.prefetch_slots:
-            return None
-        slot = self._victim(settled=True)
+        reserved = set() if reserved is None else reserved
+        slot = self._victim(reserved)
         if slot is None:
+            return None
+        if not copy or len(self._held) >= self.prefetch_slots or self._slot[slot].pins or self.in_flight(slot):
+            reserved.add(slot)
             return None
         del self._lru[slot]
         return self._copy_into(slot, key, prefetch=True), True
@@ -338,10 +350,9 @@ class ExpertCache:
     def cancel_prefetch(self, slot: int) -> bool:
         """Cancel the not-yet-started prefetch copy into ``slot``.
 
-        Returns True when the copy was dropped (no bytes moved). The slot's bytes were never
-        written, so it holds again the expert the prefetch displaced (unless that expert was
-        copied elsewhere since), in the eviction order's first place, as it was; else it is empty.
-        The caller still releases its pin.
+        Returns True when the copy was dropped (no bytes moved): the slot holds again the expert the
+        prefetch displaced (unless copied elsewhere since), first in the eviction order, as it was;
+        else it is empty. The caller still releases its pin.
         """
         rec = self._slot[slot]
         ticket = rec.ticket
@@ -362,22 +373,18 @@ class ExpertCache:
         """A prefetch copy whose target layer ran without it becomes UNUSED (the next copy's slot);
         True when ``slot`` held such a copy (a wasted prediction), False otherwise."""
         rec = self._slot[slot]
-        if rec.state is PREDICTED:
-            rec.state = UNUSED
-            return True
-        return False
+        wasted = rec.state is PREDICTED
+        rec.state = UNUSED if wasted else rec.state
+        return wasted
 
     def landed(self, key: Key) -> bool:
         """True when ``key`` is resident and its copy has finished (no stall to read it); no host sync."""
         slot = self._where.get(key)
-        if slot is None:
-            return False
-        ticket = self._slot[slot].ticket
-        return ticket is None or self.engine.landed(ticket)
+        ticket = None if slot is None else self._slot[slot].ticket
+        return slot is not None and (ticket is None or self.engine.landed(ticket))
 
     def copy_age_ms(self, key: Key) -> float:
-        """Milliseconds since the copy of resident ``key`` was issued (the miss planner's estimate of how
-        much of it is left); 0.0 when ``key`` is not resident."""
+        """ms since resident ``key``'s copy was issued (0.0: not resident), the miss planner's estimate."""
         slot = self._where.get(key)
         return 0.0 if slot is None else (time.perf_counter() - self._slot[slot].issued_s) * 1e3
 
@@ -389,8 +396,5 @@ class ExpertCache:
     def wait(self, slot: int) -> Span | None:
         """Make compute wait for the copy into ``slot``; returns the stall span or None if none pending."""
         rec = self._slot[slot]
-        ticket = rec.ticket
-        if ticket is None:
-            return None
-        rec.ticket = None
-        return self.engine.wait(ticket)
+        ticket, rec.ticket = rec.ticket, None
+        return None if ticket is None else self.engine.wait(ticket)

@@ -23,10 +23,10 @@ def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats
     """Yield (expert, slot) for ``experts`` of ``layer`` in the order their copies land.
 
     Resident experts come first (no wait), then the misses, each group in the given order. Each is
-    yielded once compute may read its slot (the stall is recorded as ``stall_ms``); the slot is
-    released when the next one is asked for, and the freed slot takes the next missing expert: a
-    layer that needs more experts than there are free slots (a prefill touching every expert)
-    streams through a small cache in one pass. Counts hits (and first uses of prefetches), misses
+    yielded once compute may read its slot (the stall is recorded as ``stall_ms``); the slots are
+    released, in expert order, once the layer is done, or as soon as a missing expert finds no free
+    slot: a layer that needs more experts than there are free slots (a prefill touching every
+    expert) streams through a small cache in one pass. Counts hits (and first uses of prefetches), misses
     and their bytes into ``stats``.
 
     Args:
@@ -38,8 +38,10 @@ def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats
     Raises:
         BudgetError: every slot is pinned and an expert of the layer is still missing.
     """
+    cache.begin_visit(layer)
     pending = deque(cache.resident_first(layer, experts))
     in_flight: deque[tuple[int, int]] = deque()
+    done: list[tuple[int, int]] = []  # (expert, slot) computed, still pinned
     _fill(cache, layer, pending, in_flight, stats)
     for slot in kept or ():  # now pinned by acquire as well
         cache.release(slot)
@@ -49,13 +51,26 @@ def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats
         e, slot = in_flight.popleft()
         recorder.span(stats, "stall_ms", cache.wait(slot))
         yield e, slot
+        done.append((e, slot))
+        if pending:
+            _fill(cache, layer, pending, in_flight, stats)
+            if pending:  # out of slots: the computed ones take the next missing experts
+                _release(cache, done)
+                _fill(cache, layer, pending, in_flight, stats)
+                if not in_flight:
+                    raise BudgetError(
+                        f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
+                        "raise --cache-experts / --gpu-memory",
+                    )
+    _release(cache, done)
+
+
+def _release(cache: ExpertCache, done: list[tuple[int, int]]) -> None:
+    """Release computed slots in expert order: the eviction order after a layer does not depend on the
+    order its copies landed in (a prefetch picks its slot as if its layer ran: slots.py)."""
+    for _, slot in sorted(done):
         cache.release(slot)
-        _fill(cache, layer, pending, in_flight, stats)
-        if pending and not in_flight:
-            raise BudgetError(
-                f"layer {layer} needs an expert but all {cache.num_slots} cache slots are pinned",
-                "raise --cache-experts / --gpu-memory",
-            )
+    done.clear()
 
 
 def _fill(cache: ExpertCache, layer: int, pending: deque, in_flight: deque, stats: LayerStats) -> None:

@@ -23,6 +23,7 @@ class LayerPolicy:
         fetch_threshold: τ of `guarded` mode, in renormalised gate weight (``--fetch-threshold``).
         guard_rule: how τ picks the misses `guarded` skips (``--guard-rule``; guard.py).
         guard_substitute: run the best resident expert in place of a skipped one.
+        prediction_gate: exact and guarded layers predict only while it pays (gate.py).
     """
 
     predictor: NextLayerPredictor
@@ -31,8 +32,10 @@ class LayerPolicy:
     fetch_threshold: float = DEFAULT_FETCH_THRESHOLD
     guard_rule: GuardRule = GuardRule.BUDGET
     guard_substitute: bool = True
+    prediction_gate: bool = True
 
     @classmethod
     def from_config(cls, cfg: RuntimeConfig, predictor: NextLayerPredictor) -> LayerPolicy:
         """The policy ``cfg`` asks for, with ``predictor`` (made from ``cfg.predictor``)."""
-        return cls(predictor, cfg.execute, cfg.on_miss, cfg.fetch_threshold, cfg.guard_rule, cfg.guard_substitute)
+        return cls(predictor, cfg.execute, cfg.on_miss, cfg.fetch_threshold, cfg.guard_rule, cfg.guard_substitute,
+                   cfg.prediction_gate)

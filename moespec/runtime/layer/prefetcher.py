@@ -6,8 +6,8 @@ Inside decode layer l (once r_l exists) :meth:`Prefetcher.predict` asks the pred
 routing of l' (the next MoE layer), unless the miss handler's prediction gate says it does not pay
 (``--on-miss auto``). After l's demand copies are queued, :meth:`Prefetcher.prefetch` keeps the
 prediction for l' (speculative mode runs it there; its recall is measured there) and has the
-ledger pin or copy its experts (runtime/cache/ledger.py). :class:`NoPrefetcher` is the no-op twin
-for ``--predictor none``.
+ledger pin or copy its experts (runtime/cache/ledger.py). Exact and guarded layers predict only while the per-layer gate
+(gate.py) says prefetching pays. :class:`NoPrefetcher` is the no-op twin for ``--predictor none``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
+from moespec.runtime.layer.gate import PredictionGate
 from moespec.runtime.misses.handlers import FetchMisses
-from moespec.runtime.stats import StatsRecorder
+from moespec.runtime.stats import LayerStats, StatsRecorder
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,16 @@ class NoPrefetcher:
         """The prediction made for ``layer`` by the layer before it (consumed), or None."""
         return None
 
-    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing) -> Routing | None:
-        """The predicted routing of the MoE layer after ``layer`` [1, K] (on the device), or None."""
+    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing, stats: LayerStats) -> Routing | None:
+        """The predicted routing of the MoE layer after ``layer`` [1, K] (on the device), or None;
+        ``stats``: ``layer``'s, where a prediction made or gated is counted."""
         return None
 
     def clear(self) -> None:
         """Forget the predictions of an unfinished forward."""
+
+    def observed(self, layer: int, used: int, wasted: int) -> None:
+        """``layer``, which a prediction was made for, ran: ``used`` / ``wasted`` of its prefetch copies."""
 
 
 class Prefetcher(NoPrefetcher):
@@ -53,26 +58,34 @@ class Prefetcher(NoPrefetcher):
     Args:
         predictor: the next-layer predictor.
         ledger: the prefetch ledger of the model's cache.
-        misses: the miss handler of the policy (its prediction gate and prefetch plan).
+        misses: the miss handler of the policy (``--on-miss auto``'s gate and prefetch plan).
+        gate: the per-layer prediction gate (gate.py); None: every layer predicts (speculative mode).
     """
 
-    def __init__(self, predictor: NextLayerPredictor, ledger: PrefetchLedger, misses: FetchMisses) -> None:
+    def __init__(self, predictor: NextLayerPredictor, ledger: PrefetchLedger, misses: FetchMisses,
+                 gate: PredictionGate | None = None) -> None:
         self.predictor = predictor
         self.ledger = ledger
         self.misses = misses
+        self.gate = gate
         self.predicted: dict[int, Prediction] = {}  # target layer -> its prediction
+        self._source: dict[int, int] = {}  # target layer -> the layer that predicted it
         self._predict_s = 0.0  # the running layer's prediction time (the gate's overhead)
 
     def take(self, layer: int) -> Prediction | None:
         return self.predicted.pop(layer, None)
 
-    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing) -> Routing | None:
+    def predict(self, layer: int, residual: torch.Tensor | None, used: Routing, stats: LayerStats) -> Routing | None:
         if residual is None or not self.misses.pays():
+            return None
+        if self.gate is not None and self.predictor.target(layer) is not None and not self.gate.admits(layer):
+            stats.predict_gated += 1
             return None
         t0 = time.perf_counter()
         # `used` is the true routing in exact/guarded, as NextLayerPredictor says
         nxt = self.predictor.predict(layer, residual.reshape(-1, residual.shape[-1]), used)
         self._predict_s = time.perf_counter() - t0
+        stats.predicted += nxt is not None
         return nxt
 
     def prefetch(self, layer: int, prediction: Prediction, recorder: StatsRecorder) -> None:
@@ -83,7 +96,17 @@ class Prefetcher(NoPrefetcher):
         self.predicted[target] = prediction
         wanted, budget = self.misses.prefetch_plan(prediction.host_ids, self.ledger.cache)
         self.ledger.issue(target, wanted, recorder.layer(target), budget)
-        self.misses.observe_predict((self._predict_s + time.perf_counter() - t0) * 1e3)
+        ms = (self._predict_s + time.perf_counter() - t0) * 1e3
+        self.misses.observe_predict(ms)
+        if self.gate is not None:
+            self.gate.observe_predict(layer, ms)
+            self._source[target] = layer
+
+    def observed(self, layer: int, used: int, wasted: int) -> None:
+        source = self._source.pop(layer, None)
+        if source is not None and self.gate is not None:
+            self.gate.observe_outcome(source, used, wasted)
 
     def clear(self) -> None:
         self.predicted.clear()
+        self._source.clear()

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from moespec.config import ExecuteMode
+from moespec.config import ExecuteMode, OnMiss
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NoPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.cache.stream import stream
 from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token
+from moespec.runtime.layer.gate import PredictionGate, link_ms_per_copy
 from moespec.runtime.layer.guard import guard_signals, plan_guard, signals_length, substituted_routing
 from moespec.runtime.layer.observer import Observer
 from moespec.runtime.layer.policy import LayerPolicy
@@ -73,7 +74,10 @@ class MoeLayerRunner:
         if isinstance(policy.predictor, NoPredictor):
             self.prefetcher = NoPrefetcher()
         else:
-            self.prefetcher = Prefetcher(policy.predictor, self.ledger, self.misses)
+            gated = (policy.prediction_gate and policy.execute != ExecuteMode.SPECULATIVE
+                     and policy.on_miss != OnMiss.AUTO)  # auto: the miss planner's gate (misses/planner.py)
+            gate = PredictionGate(link_ms_per_copy(self.cache)) if gated else None
+            self.prefetcher = Prefetcher(policy.predictor, self.ledger, self.misses, gate)
 
     def reset_step(self) -> None:
         """Drop per-forward state; release prefetch pins a previous forward left behind."""
@@ -126,7 +130,7 @@ class MoeLayerRunner:
         layer = block.layer
         residual = self.residual.pop(layer, None)  # r_l [1, 1, H]
         routing, ids = self._route(block, x, stats)  # route (ids already on the host when speculated)
-        nxt = self.prefetcher.predict(layer, residual, routing)  # predict l+1's routing, or None
+        nxt = self.prefetcher.predict(layer, residual, routing, stats)  # predict l+1's routing, or None
         routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)  # one host read (+ guard)
         self.observer.routing(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(ids)}
@@ -228,6 +232,7 @@ class MoeLayerRunner:
         layer's demand copies are queued).
         """
         layer, act, cache, rec, misses = block.layer, block.act_fn, self.cache, self.recorder, self.misses
+        wasted = stats.prefetch_wasted
         kept = self.ledger.settle(layer, experts, stats)  # None: nothing was predicted for this layer
         jobs, device = misses.start(layer, experts, cache, tokens, inputs, act, stats)
         layout, engine = cache.store.layout.for_layer(layer), cache.engine  # GGUF layers may mix quant types
@@ -244,6 +249,7 @@ class MoeLayerRunner:
                     misses.observe_device(tokens(e), span)
         if kept is not None:  # a predicted layer: how many of its prefetches it used
             misses.observe_used(stats.prefetch_used - used)
+            self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted)
         misses.collect(jobs, put, rec, stats)
 
 
