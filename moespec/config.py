@@ -127,6 +127,9 @@ class RuntimeConfig:
             dequantised, then quantised again); without it that is refused.
         on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
         host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
+        host_memory_bytes: RAM for expert rows read from disk (``--host-memory``; the disk tier,
+            runtime/disk_tier.py); None = every expert in RAM when it fits, else the disk tier with
+            what fits beside the dense part.
     """
 
     device: str = "cpu"
@@ -147,6 +150,7 @@ class RuntimeConfig:
     cache_policy: CachePolicy | None = None
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
