@@ -221,3 +221,26 @@ def test_two_reads_into_one_slot_never_race_the_newest_row_wins(model):
     expect = torch.frombuffer(bytearray(store.path.read_bytes()[store.expert(layer, 5).offset:][:ROW]),
                               dtype=torch.float32)
     assert torch.equal(slots[0], expect) and store.path.exists()
+
+
+def test_accounting_every_disk_byte_is_in_the_steps_and_the_views(model):
+    from moespec.runtime.disk_tier import disk_numbers
+    from moespec.runtime.stats import summarize
+    from moespec.serve.metrics import ServerMetrics
+
+    om = _load(model)
+    try:
+        list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
+        steps, engine = om.recorder.steps, om.cache.engine
+        summary = summarize(steps)
+        disk = disk_numbers(summary, om.cache)
+        metrics = ServerMetrics()
+        metrics.observe_cache(om.cache)
+        text = metrics.render().decode()
+    finally:
+        om.close()
+    assert sum(s.total().h2d_bytes for s in steps) == engine.bytes_moved == engine.reads * ROW
+    assert sum(s.total().prefetched for s in steps) > 0  # the router predictor drove reads ahead of use
+    assert disk["disk_reads"] == engine.reads and disk["o_direct"] and disk["disk_read_gbps"] > 0
+    assert disk["disk_mb_per_token"] == summary.h2d_mb_per_token and disk["ram_tier_rows"] == 4
+    assert f"moespec_disk_read_bytes {float(engine.bytes_moved)}" in text

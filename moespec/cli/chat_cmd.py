@@ -314,6 +314,11 @@ def _print_stats(session, out) -> None:
         whole = summary.prompt_tokens + summary.reused_tokens
         out.print(f"prompt: {whole} tokens, {summary.reused_tokens} reused from the KV cache, "
                   f"{summary.prompt_tokens} prefilled", highlight=False)
+    if summary is not None and summary.disk:  # the experts are on disk: the RAM tier is the cache
+        d, gbps = summary.disk, summary.disk["disk_read_gbps"]
+        out.print(f"disk: {d['disk_mb_per_token']:.2f} MB/token, RAM-tier hit rate {d['ram_tier_hit_rate']:.2f}, "
+                  f"stall {d['disk_stall_ms_per_token']:.1f} ms/token, "
+                  f"{'-' if gbps is None else f'{gbps:.2f}'} GB/s", highlight=False)
     stats = [per_layer[layer] for layer in sorted(per_layer)]
 
     def col(header: str, value, fmt: str = ".2f") -> Column:

@@ -128,3 +128,18 @@ def make_engine(store: DiskStore, readers: int | None = None) -> DiskReadEngine:
     """The disk reader of ``store``'s file (readers: reads in flight; None = the default)."""
     kw = {} if readers is None else {"readers": readers}
     return DiskReadEngine(store.path, store.forget, **kw)
+
+
+def disk_numbers(summary, cache) -> dict | None:
+    """The disk tier's numbers beside ``summary`` (runtime.stats.Summary of the last answer), or None when
+    ``cache``'s rows come from RAM. On CPU the RAM tier is the cache, so its hits are the RAM tier's
+    hits, its copy bytes and stall are the disk's; GB/s is the reader's since the model loaded (bytes
+    read / seconds with at least one read running)."""
+    engine = cache.engine
+    if not isinstance(engine, DiskReadEngine):
+        return None
+    busy = engine.busy_seconds()
+    return {"disk_mb_per_token": summary.h2d_mb_per_token, "ram_tier_hit_rate": summary.hit_rate,
+            "disk_stall_ms_per_token": summary.stall_ms_per_token,
+            "disk_read_gbps": engine.bytes_moved / busy / 1e9 if busy > 0 else None,
+            "disk_reads": engine.reads, "o_direct": engine.direct, "ram_tier_rows": cache.num_slots}
