@@ -130,6 +130,8 @@ class RuntimeConfig:
         host_memory_bytes: RAM for expert rows read from disk (``--host-memory``; the disk tier,
             runtime/disk_tier.py); None = every expert in RAM when it fits, else the disk tier with
             what fits beside the dense part.
+        disk_reads: how the disk tier reads rows: "direct" (O_DIRECT reader pool) or "mmap" (the
+            baseline: the store file mapped, rows faulted in through the page cache, no reader pool).
     """
 
     device: str = "cpu"
@@ -151,6 +153,7 @@ class RuntimeConfig:
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None
     host_memory_bytes: int | None = None
+    disk_reads: str = "direct"
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:

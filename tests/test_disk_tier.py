@@ -244,3 +244,18 @@ def test_accounting_every_disk_byte_is_in_the_steps_and_the_views(model):
     assert disk["disk_reads"] == engine.reads and disk["o_direct"] and disk["disk_read_gbps"] > 0
     assert disk["disk_mb_per_token"] == summary.h2d_mb_per_token and disk["ram_tier_rows"] == 4
     assert f"moespec_disk_read_bytes {float(engine.bytes_moved)}" in text
+
+
+def test_the_mmap_baseline_reads_the_same_rows_through_the_page_cache(model):
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference_model(model)(ids).logits
+    _load(model).close()  # the store file exists
+    om = _load(model, predictor=Predictor.NONE, disk_reads="mmap")
+    try:
+        assert not isinstance(om.store, DiskStore) and om.cache.num_slots == 4
+        with torch.inference_mode():
+            got = om.model(ids).logits
+    finally:
+        om.close()
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)

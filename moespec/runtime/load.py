@@ -222,12 +222,15 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         check_host_memory(dense + slots * stride, f"{path.name} (dense part + the RAM tier of expert rows)")
         store = disk_tier.open_store(path, source, layout, dtype, moe_layers, adapter.num_experts(),
                                      disk_tier.fill_experts(source, adapter, device, dtype))[0]
+        if cfg.disk_reads == "mmap":  # the baseline (README, "Experts on disk"): the page cache as cache
+            store = store.mapped()
     else:
         check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
         store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = None
     try:  # whatever fails from here (a corrupt file, a stale calibration) unpins what was pinned
-        engine = disk_tier.make_engine(store) if on_disk else make_transfer_engine(device, slots, cfg.link_gbps)
+        direct = isinstance(store, DiskStore)
+        engine = disk_tier.make_engine(store) if direct else make_transfer_engine(device, slots, cfg.link_gbps)
         cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
         recorder = recorder or NullRecorder()
         wire_recorder(recorder, engine)

@@ -153,6 +153,26 @@ class DiskStore:
             torch.empty(0, dtype=torch.uint8)
         return buf.view(num_slots, self.stride)[:, : self.expert_bytes].view(self.dtype)  # [S, P]
 
+    def mapped(self) -> ExpertStore:
+        """The rows as an ExpertStore over a read-only mapping of the file: the mmap baseline (the OS page
+        cache as the expert cache, a page fault per page on first touch, as llama.cpp reads its GGUF);
+        copies from it go through the plain copy engine, no O_DIRECT, no prediction of its own."""
+        import warnings
+
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only on purpose: nothing writes the rows
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(mm, dtype=torch.uint8)
+        rows = raw[self.data_offset :].view(len(self.moe_layers), self.num_experts, self.stride)
+        rows = rows[:, :, : self.expert_bytes].view(self.dtype)  # [M, E, P]
+        store = ExpertStore(self.moe_layers, self.num_experts, self.layout, self.dtype, buffer=rows)
+        store.mapping = mm  # why: the rows view the mapping; it lives as long as the store
+        return store
+
     def close(self) -> None:
         """Nothing to unpin (the reader closes its file)."""
 
