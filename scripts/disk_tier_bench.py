@@ -65,7 +65,7 @@ def make(folder: Path, layers: int, vocab: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
-def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int) -> None:
+def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str) -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -73,8 +73,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     from moespec.runtime.stats import StatsRecorder, summarize
 
     t0 = time.perf_counter()
-    om = load_offloaded(folder, RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=parse_bytes(host_memory)),
-                        StatsRecorder())
+    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=parse_bytes(host_memory), disk_reads=disk_reads)
+    om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
@@ -83,9 +83,32 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         disk = disk_numbers(summary, om.cache)
     finally:
         om.close()
-    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "load_s": round(load_s, 2),
+    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "disk_reads": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
+                      "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+
+
+def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, prompt_len: int) -> None:
+    """transformers + accelerate's disk offload (device_map auto, max_memory, offload_folder): greedy decode, TPOT."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": cpu_memory},
+                                                 offload_folder=str(offload), dtype=torch.bfloat16)
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([random.Random(1).choices(range(model.config.vocab_size), k=prompt_len)])
+    times = []
+    with torch.inference_mode():
+        kv = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=kv, use_cache=True)
+        for _ in range(tokens):
+            nxt = out.logits[:, -1:].argmax(-1)
+            t = time.perf_counter()
+            out = model(nxt, past_key_values=kv, use_cache=True)
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"arm": "accelerate offload_folder", "load_s": round(load_s, 2),
+                      "tpot_ms": round(1e3 * sum(times) / len(times), 1),
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
@@ -136,6 +159,13 @@ def main() -> None:
     a.add_argument("--host-memory", default="1GiB")
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--prompt-len", type=int, default=8)
+    a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
+    h = sub.add_parser("accelerate")
+    h.add_argument("folder", type=Path)
+    h.add_argument("--cpu-memory", default="1GiB")
+    h.add_argument("--offload", type=Path, required=True)
+    h.add_argument("--tokens", type=int, default=2)
+    h.add_argument("--prompt-len", type=int, default=8)
     r = sub.add_parser("reader")
     r.add_argument("folder", type=Path)
     r.add_argument("--inflight", type=int, default=8)
@@ -144,7 +174,9 @@ def main() -> None:
     if args.cmd == "make":
         make(args.folder, args.layers, args.vocab)
     elif args.cmd == "arm":
-        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len)
+        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads)
+    elif args.cmd == "accelerate":
+        accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
     else:
         reader(args.folder, args.inflight, args.seconds)
 

@@ -259,3 +259,53 @@ def test_the_mmap_baseline_reads_the_same_rows_through_the_page_cache(model):
     finally:
         om.close()
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_ctrl_c_mid_forward_leaves_the_ram_tier_consistent(model):
+    om = _load(model)
+    try:
+        calls = []
+
+        def interrupt(module, args):
+            calls.append(1)
+            if len(calls) == 5:  # the second token's second MoE layer: reads in flight and queued
+                raise KeyboardInterrupt
+
+        layer = om.model.model.layers[om.store.moe_layers[1]]
+        hook = layer.mlp.register_forward_pre_hook(interrupt)
+        gen = Engine(om)
+        with pytest.raises(KeyboardInterrupt):
+            list(gen.generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=8)))
+        hook.remove()
+        engine = om.cache.engine
+        assert engine._pending == 0 and not any(om.cache.pinned(s) for s in range(om.cache.num_slots))
+        gen.reset()
+        tokens = list(gen.generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=6)))
+    finally:
+        om.close()
+    assert tokens == reference_greedy(model, GREEDY_PROMPT, 6)
+
+
+def test_serve_and_chat_answer_the_same_from_disk(model):
+    import json
+
+    import httpx2 as httpx
+    from serve_harness import serve
+    from typer.testing import CliRunner
+
+    from moespec.cli.app import app as cli
+    from moespec.serve.app import ServeSettings
+
+    r = CliRunner().invoke(cli, ["chat", str(model), "--prompt", "hello", "--json", "--max-new-tokens", "6",
+                                 "--device", "cpu", "--host-memory", "32KiB"])
+    assert r.exit_code == 0, r.output
+    chat = json.loads(r.stdout.strip().splitlines()[-1])
+    assert chat["stats"]["disk"]["ram_tier_rows"] == 4 and chat["stats"]["disk"]["disk_reads"] > 0
+    with serve(model, ServeSettings(max_queue=2), RuntimeConfig(device="cpu", host_memory_bytes=MIN_ROUTER)) as s:
+        body = {"model": s.app.state.backend.name, "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello"}]}
+        got = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120).json()
+        metrics = httpx.get(s.url + "/metrics", timeout=30).text
+    assert got["choices"][0]["message"]["content"] == chat["text"]
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("moespec_disk_read_bytes "))
+    assert float(line.split()[1]) > 0

@@ -75,7 +75,6 @@ class StepStats:
     wall_ms: float = 0.0
     layers: dict[int, LayerStats] = field(default_factory=dict)
     reused_tokens: int = 0
-    disk: dict | None = None
 
     def total(self) -> LayerStats:
         """Sum over layers."""
@@ -223,6 +222,7 @@ class Summary:
     host_experts_per_token: float = 0.0
     host_ms_per_token: float = 0.0
     reused_tokens: int = 0
+    disk: dict | None = None
 
 
 def summarize(steps: list[StepStats]) -> Summary:

@@ -160,6 +160,8 @@ class DiskReadEngine(TransferEngine):
                 os.posix_fadvise(self.fd, row.offset, length, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             return f"reading {where} failed: {exc.strerror or exc}"
+        except Exception as exc:  # why: a reader thread must never die (every later wait would hang)
+            return f"reading {where} failed: {exc}"
         if got < row.nbytes:
             return f"{self.path} is truncated: {where} ends after {got} of {row.nbytes} bytes"
         if self.verify:
