@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import heapq
-import itertools
 import os
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Callable
 from moespec.errors import CheckpointError
 from moespec.integrity import new_hasher
 from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
+from moespec.runtime.transfer.queue import CopyQueue
 
 DEFAULT_READERS = 8  # reads in flight: what saturates this machine's SSD (README, "Experts on disk")
 
@@ -60,7 +60,7 @@ def read_into(fd: int, address: int, length: int, offset: int) -> int:
     return done
 
 
-class DiskReadEngine(TransferEngine):
+class DiskReadEngine(CopyQueue, TransferEngine):
     """Reads rows of the store file ``path`` into RAM slots on ``readers`` threads (module docstring).
 
     The ``src`` of :meth:`submit` is a row's place (host/disk_store.DiskRow: ``key``, ``offset``,
@@ -81,15 +81,11 @@ class DiskReadEngine(TransferEngine):
         self.path, self._forget = path, forget
         self.fd, self.direct = open_direct(path)
         self.verify = verify
-        self.bytes_moved = 0
+        self._init_queue()  # demand reads before queued prefetches, cancellable (queue.py)
         self.reads = 0
         self._busy_s = 0.0  # wall seconds with at least one read running (the link's busy time)
         self._running = 0
         self._busy_since = 0.0
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._queued: dict[int, Ticket] = {}  # slot -> its prefetch still queued
         self._errors: dict[int, str] = {}  # id(ticket) -> why its read failed
         self._failed: list[Ticket] = []  # failed reads not yet reported by cancel_pending (their slots are bad)
         self._pending = 0  # queued + running reads
@@ -177,27 +173,9 @@ class DiskReadEngine(TransferEngine):
     def submit(self, dst: torch.Tensor, src, slot: int, prefetch: bool = False) -> Ticket:
         ticket = Ticket(nbytes=src.nbytes, slot=slot, done=threading.Event(), prefetch=prefetch)
         with self._cv:
-            old = self._queued.pop(slot, None)  # a read into this slot supersedes its queued prefetch
-            if old is not None:
-                self._cancel_locked(old)
-            if prefetch:
-                self._queued[slot] = ticket
-            self.bytes_moved += src.nbytes
             self._pending += 1
-            heapq.heappush(self._heap, (1 if prefetch else 0, next(self._seq), (dst, src, ticket)))
-            self._cv.notify()
+            self._enqueue_locked(dst, src, ticket)
         return ticket
-
-    def _cancel_locked(self, ticket: Ticket) -> bool:
-        if ticket.started or ticket.cancelled or ticket.done.is_set():
-            return False
-        ticket.cancelled = True
-        self.bytes_moved -= ticket.nbytes
-        return True
-
-    def cancel(self, ticket: Ticket) -> bool:
-        with self._cv:
-            return self._cancel_locked(ticket)
 
     def cancel_pending(self) -> list[Ticket]:
         with self._cv:
@@ -220,12 +198,6 @@ class DiskReadEngine(TransferEngine):
         if error is not None:
             raise CheckpointError(error, "run the request again; if it persists, restart moespec to rebuild the file")
         return Span(t0, time.perf_counter())
-
-    def landed(self, ticket: Ticket) -> bool:
-        return ticket.cancelled or ticket.waited or ticket.done.is_set()
-
-    def mark(self) -> float:
-        return time.perf_counter()
 
     def synchronize(self) -> None:
         with self._cv:
