@@ -1,6 +1,6 @@
 """Measure the disk tier on a Qwen3-30B-A3B-shaped random slice (README, "Experts on disk").
 
-    python scripts/disk_tier_bench.py make /tmp/q30 --layers 7          # ~8.5 GB of bf16 experts
+    python scripts/disk_tier_bench.py make /tmp/q30 --layers 8          # 9.7 GB of bf16 experts
     python scripts/disk_tier_bench.py arm /tmp/q30 --predictor router --host-memory 1GiB --tokens 12
     python scripts/disk_tier_bench.py reader /tmp/q30 --inflight 8 --seconds 6
 
@@ -37,8 +37,16 @@ def make(folder: Path, layers: int, vocab: int) -> None:
     cfg.save_pretrained(folder)
     gen = torch.Generator().manual_seed(0)
 
+    pool = (torch.randn(1 << 26, generator=gen) * 0.02).to(torch.bfloat16)  # 128 MB of N(0, 0.02) values
+
     def rnd(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+        """Random-looking weights cheaply: a copy of the pool at a random offset (the disk tier's timing
+        does not depend on the values; the routers get fresh random weights, so routing varies)."""
+        n = int(torch.tensor(shape).prod())
+        if scale != 0.02 or n > pool.numel():
+            return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+        start = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=gen))
+        return pool[start : start + n].clone().view(*shape)
 
     H, I, E = 2048, 768, 128
     index = {}
@@ -83,7 +91,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         disk = disk_numbers(summary, om.cache)
     finally:
         om.close()
-    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "disk_reads": disk_reads, "load_s": round(load_s, 2),
+    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
@@ -113,7 +121,7 @@ def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, pr
 
 
 def reader(folder: Path, inflight: int, seconds: float) -> None:
-    from moespec.runtime.host.disk_store import DiskStore
+    from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
     from moespec.runtime.transfer.disk import DiskReadEngine
     from moespec.artifacts import model_key, sanitize_model_id
     from moespec.paths import moespec_home
@@ -129,9 +137,13 @@ def reader(folder: Path, inflight: int, seconds: float) -> None:
     buf = torch.frombuffer(__import__("mmap").mmap(-1, inflight * stride), dtype=torch.uint8).view(inflight, stride)
     rng = random.Random(0)
 
+    itemsize = torch.empty((), dtype=getattr(torch, store.header["dtype"].removeprefix("torch."))).element_size()
+    nbytes = int(store.header["numel"]) * itemsize  # every layer's rows are whole here (no GGUF mix)
+
     def row():
         i = rng.randrange(rows)
-        return store.expert(store.moe_layers[i // store.num_experts], i % store.num_experts)
+        key = (store.moe_layers[i // store.num_experts], i % store.num_experts)
+        return DiskRow(key, store.data_offset + i * stride, nbytes, round_up(nbytes), store.digests[i])
 
     tickets = [engine.submit(buf[s], row(), s) for s in range(inflight)]
     t0, n = time.perf_counter(), 0
@@ -151,7 +163,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("folder", type=Path)
-    m.add_argument("--layers", type=int, default=7)
+    m.add_argument("--layers", type=int, default=8)
     m.add_argument("--vocab", type=int, default=4096)
     a = sub.add_parser("arm")
     a.add_argument("folder", type=Path)
