@@ -68,16 +68,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--gpu-memory") -> int:
     """Parse a byte size such as ``2GiB``, ``512MB`` or ``1000000`` into bytes.
 
     Raises:
-        OptionError: the text is not a size (names the value and the flag ``--gpu-memory``).
+        OptionError: the text is not a size (names the value and ``flag``).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise OptionError(f"--gpu-memory {text!r} is not a size", "write it like 2GiB, 512MiB or 3GB")
+        raise OptionError(f"{flag} {text!r} is not a size", "write it like 2GiB, 512MiB or 3GB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

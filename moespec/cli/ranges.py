@@ -111,7 +111,7 @@ def _float_list(flag: str, text: str) -> list[Number]:
 def _bytes(flag: str, text: str) -> list[Number]:
     from moespec.config import parse_bytes
 
-    return [parse_bytes(text)]
+    return [parse_bytes(text, flag)]
 
 
 def _size(n: Number) -> str:

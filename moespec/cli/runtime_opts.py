@@ -67,7 +67,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size, requantize=requantize,
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
         on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
-        host_memory_bytes=parse_bytes(host_memory) if host_memory is not None else None,
+        host_memory_bytes=parse_bytes(host_memory, "--host-memory") if host_memory is not None else None,
     )
 
 
