@@ -311,3 +311,21 @@ def test_serve_and_chat_answer_the_same_from_disk(model):
     assert got["choices"][0]["message"]["content"] == chat["text"]
     line = next(ln for ln in metrics.splitlines() if ln.startswith("moespec_disk_read_bytes "))
     assert float(line.split()[1]) > 0
+
+
+def test_rows_start_where_open_looks_for_them_whatever_the_header_length(tmp_path):
+    from moespec.models.base import ExpertLayout
+
+    layout = ExpertLayout(hidden=32, intermediate=16)
+    for experts in (1, 3, 113, 114, 400):  # header lengths around 4 KiB boundaries
+        header = DiskStore.header_for({"m": experts}, [0], experts, layout, torch.float32)
+
+        def fill(store):
+            store.buffer.copy_(torch.arange(store.buffer.numel(), dtype=torch.float32).view_as(store.buffer))
+
+        store = DiskStore.write(tmp_path / f"s{experts}.moerows", header, layout, torch.float32, fill).bind(
+            layout, torch.float32)
+        last = store.expert(0, experts - 1)
+        raw = store.path.read_bytes()[last.offset:][:ROW]
+        assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32),
+                           torch.arange((experts - 1) * ROW // 4, experts * ROW // 4, dtype=torch.float32))

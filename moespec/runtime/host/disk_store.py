@@ -232,7 +232,7 @@ class DiskStore:
 
         moe_layers, num_experts, stride = header["moe_layers"], header["num_experts"], header["stride"]
         rows = len(moe_layers) * num_experts
-        digest_chars = rows * 35  # '"<32 hex>", ' per row
+        digest_chars = rows * 36  # "<32 hex>", per row
         data_offset = round_up(24 + len(json.dumps(header)) + 64 + digest_chars)
         size = data_offset + rows * stride
         with atomic_path(path, size=size) as tmp:
@@ -250,6 +250,8 @@ class DiskStore:
                                for m, layer in enumerate(moe_layers) for e in range(num_experts)]
                     text = json.dumps({**header, "digests": digests}).encode()
                     assert 24 + len(text) <= data_offset, "header estimate too small"
+                    # Padded with spaces (JSON allows them) to the rows: open() finds them at round_up(24 + n).
+                    text = text.ljust(data_offset - 24)
                     raw[:16].copy_(torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8))
                     raw[16:24].copy_(torch.frombuffer(bytearray(struct.pack("<Q", len(text))), dtype=torch.uint8))
                     raw[24 : 24 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
