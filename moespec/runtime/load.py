@@ -23,11 +23,11 @@ from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NoPredictor
 from moespec.predict.factory import make_predictor
+from moespec.runtime import disk_tier
 from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
 from moespec.runtime.cache.ledger import PrefetchLedger
-from moespec.runtime import disk_tier
 from moespec.runtime.cache.slots import ExpertCache
-from moespec.runtime.host.disk_store import DiskStore
+from moespec.runtime.host.disk_store import DiskStore, round_up
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
@@ -212,7 +212,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     on_disk = disk_tier.wanted(cfg, device, host_bytes_needed(model, store_bytes, device))
     if on_disk:  # the RAM tier is the cache: its rows come from --host-memory (disk_tier.ram_slots)
         dense = host_bytes_needed(model, 0, device)
-        stride = DiskStore.header_for({}, moe_layers, adapter.num_experts(), layout, dtype)["stride"]
+        stride = round_up(expert_bytes)  # a row's bytes in the file and in a RAM slot (O_DIRECT alignment)
         slots = disk_tier.ram_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), stride, dense)
     else:
         slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
