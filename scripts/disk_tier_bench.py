@@ -86,7 +86,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     load_s = time.perf_counter() - t0
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
-        out = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens)))
+        # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
+        out = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens, temperature=1.0, seed=0)))
         summary = summarize(om.recorder.steps)
         disk = disk_numbers(summary, om.cache)
     finally:
@@ -94,6 +95,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
+                      "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
+                      "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
