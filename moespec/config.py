@@ -68,16 +68,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--gpu-memory") -> int:
     """Parse a byte size such as ``2GiB``, ``512MB`` or ``1000000`` into bytes.
 
     Raises:
-        OptionError: the text is not a size (names the value and the flag ``--gpu-memory``).
+        OptionError: the text is not a size (names the value and ``flag``).
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise OptionError(f"--gpu-memory {text!r} is not a size", "write it like 2GiB, 512MiB or 3GB")
+        raise OptionError(f"{flag} {text!r} is not a size", "write it like 2GiB, 512MiB or 3GB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 
@@ -129,6 +129,11 @@ class RuntimeConfig:
         host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
         prediction_gate: exact and guarded layers predict only while prefetching measurably pays
             (runtime/layer/gate.py; ``--on-miss auto`` has its own); False: every layer predicts.
+        host_memory_bytes: RAM for expert rows read from disk (``--host-memory``; the disk tier,
+            runtime/disk_tier.py); None = every expert in RAM when it fits, else the disk tier with
+            what fits beside the dense part.
+        disk_reads: how the disk tier reads rows: "direct" (O_DIRECT reader pool) or "mmap" (the
+            baseline: the store file mapped, rows faulted in through the page cache, no reader pool).
     """
 
     device: str = "cpu"
@@ -150,6 +155,8 @@ class RuntimeConfig:
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None
     prediction_gate: bool = True
+    host_memory_bytes: int | None = None
+    disk_reads: str = "direct"
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:

@@ -78,3 +78,10 @@ def test_dtype_and_errors():
 
 def test_format_bytes():
     assert [format_bytes(n) for n in (0, 999, 1536, 3_623_878_656)] == ["0 B", "999 B", "1.54 kB", "3.62 GB"]
+
+
+def test_from_disk_needs_the_dense_part_two_k_rows_and_the_headroom():
+    qwen = model_sizes(QWEN3_30B_A3B)  # bf16 rows of 3 x 2048 x 768 x 2 B = 9 MiB exactly (4 KiB multiples)
+    assert qwen.expert_bytes == 9 * 2**20
+    assert qwen.from_disk_min_ram_bytes == qwen.dense_bytes + 16 * 9 * 2**20 + 512 * 2**20
+    assert qwen.runs_from_disk(32 * 2**30) and not qwen.runs_from_disk(128 * 2**30)  # 61 GB on CPU

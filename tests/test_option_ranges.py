@@ -20,7 +20,7 @@ runner = CliRunner()
 MISSING = "/nonexistent/moespec-model"
 # what a command needs besides the option so that it gets as far as MODEL
 EXTRA = {"chat": ["--prompt", "hi"], "download": [], "models": [], "serve": []}
-TEXT_OPTIONS = {"--gpu-memory", "--fetch-threshold", "--prompt-len", "--layers"}
+TEXT_OPTIONS = {"--gpu-memory", "--host-memory", "--fetch-threshold", "--prompt-len", "--layers"}
 
 
 def _numeric_options():

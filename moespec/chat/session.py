@@ -14,13 +14,14 @@ answer interrupted before its first token is dropped together with its question.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from moespec.chat.detok import IncrementalDecoder
 from moespec.chat.render import Rendered, render, stop_ids
 from moespec.config import SamplingConfig
 from moespec.errors import PromptError
+from moespec.runtime.disk_tier import disk_numbers
 from moespec.runtime.engine import Engine
 from moespec.runtime.stats import Summary, summarize
 
@@ -123,5 +124,7 @@ class ChatSession:
         answer = shown if interrupted else self.tokenizer.decode(new, skip_special_tokens=True)
         if not interrupted or answer:
             self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
-        self.last = Turn(answer, list(new), summarize(self.engine.om.recorder.steps), interrupted)
+        summary = summarize(self.engine.om.recorder.steps)
+        summary = replace(summary, disk=disk_numbers(summary, self.engine.om.cache))  # None unless on disk
+        self.last = Turn(answer, list(new), summary, interrupted)
         return answer

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
-                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
+                                ExpertDtype, FetchThreshold, Flag, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
                                 print_notes, register_command, Requantize, set_threads)
 
@@ -62,6 +62,7 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help=SYSTEM_HELP),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
+    host_memory: Optional[str] = HostMemory,
     predictor: str = PredictorOpt,
     execute: str = ExecuteOpt,
     fetch_threshold: Optional[str] = FetchThreshold,
@@ -94,7 +95,7 @@ def chat(
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
-        device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        device=device, dtype=dtype, expert_dtype=expert_dtype, group_size=group_size, gpu_memory=gpu_memory, cache_experts=cache_experts, host_memory=host_memory,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
@@ -313,6 +314,11 @@ def _print_stats(session, out) -> None:
         whole = summary.prompt_tokens + summary.reused_tokens
         out.print(f"prompt: {whole} tokens, {summary.reused_tokens} reused from the KV cache, "
                   f"{summary.prompt_tokens} prefilled", highlight=False)
+    if summary is not None and summary.disk:  # the experts are on disk: the RAM tier is the cache
+        d, gbps = summary.disk, summary.disk["disk_read_gbps"]
+        out.print(f"disk: {d['disk_mb_per_token']:.2f} MB/token, RAM-tier hit rate {d['ram_tier_hit_rate']:.2f}, "
+                  f"stall {d['disk_stall_ms_per_token']:.1f} ms/token, "
+                  f"{'-' if gbps is None else f'{gbps:.2f}'} GB/s", highlight=False)
     stats = [per_layer[layer] for layer in sorted(per_layer)]
 
     def col(header: str, value, fmt: str = ".2f") -> Column:

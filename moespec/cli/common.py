@@ -144,6 +144,8 @@ def register_command(app: typer.Typer, name: str, help: str, fn: Callable) -> No
 
 # Options shared by chat, calibrate, profile and train-estimator: defined once, reused.
 GpuMemory = typer.Option(None, "--gpu-memory", help="Device bytes for the expert cache, e.g. 2GiB.")
+HostMemory = typer.Option(None, "--host-memory",
+                          help="RAM for expert rows read from disk, e.g. 8GiB (experts stay on disk; CPU).")
 CacheExperts = typer.Option(None, "--cache-experts", help="Number of expert slots in the device cache.")
 Device = typer.Option("auto", "--device", help="cpu, cuda or cuda:N; auto picks cuda when present.")
 Dtype = typer.Option("auto", "--dtype", help="auto (the checkpoint's), float32, bfloat16 or float16.")

@@ -209,6 +209,7 @@ def _print_result(console: Console, plan, folder: Path) -> None:
                         f"{format_bytes(s.expert_bytes)}  (host memory)"),
             ("dense part", f"{format_bytes(s.dense_bytes)}  (attention, embeddings, routers, norms: on the device)"),
             ("host RAM", f"{format_bytes(s.host_ram_bytes)} with a GPU, {format_bytes(s.host_ram_cpu_bytes)} on CPU only"),
+            ("from disk", _from_disk(s)),
             ("H2D / token", f"{format_bytes(s.zero_cache_h2d_bytes_per_token)} = {_plural(p.num_moe_layers, 'layer')} × "
                             f"top-{p.top_k} × {format_bytes(s.expert_bytes)}  (decode with no expert cached)"),
         ]
@@ -330,9 +331,24 @@ def _model_json(m) -> dict:
         "expert_bytes": s.expert_bytes if s else None, "expert_format": _expert_format(s) if s else None,
         "host_ram_bytes": s.host_ram_bytes if s else None, "host_ram_cpu_bytes": s.host_ram_cpu_bytes if s else None,
         "zero_cache_h2d_bytes_per_token": s.zero_cache_h2d_bytes_per_token if s else None,
+        "from_disk_min_ram_bytes": s.from_disk_min_ram_bytes if s else None,
         "has_calibration": m.has_calibration, "has_estimator": m.has_estimator, "partial_bytes": m.partial_bytes,
         "quant": getattr(s, "quant", None) or None,
     }
+
+
+def _from_disk(s) -> str:
+    """Whether a CPU run here keeps the experts on disk, and what it needs then (README, "Experts on disk")."""
+    from moespec.hub.sizes import format_bytes
+
+    try:
+        with open("/proc/meminfo") as fh:
+            free = next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        free = None
+    where = "" if free is None else ("yes on this host (CPU), " if s.runs_from_disk(free) else "not needed here; ")
+    return (f"{where}{format_bytes(s.experts_bytes)} of disk for the store file, "
+            f">= {format_bytes(s.from_disk_min_ram_bytes)} RAM (--host-memory)")
 
 
 def _expert_format(s) -> str:

@@ -111,7 +111,7 @@ def _float_list(flag: str, text: str) -> list[Number]:
 def _bytes(flag: str, text: str) -> list[Number]:
     from moespec.config import parse_bytes
 
-    return [parse_bytes(text)]
+    return [parse_bytes(text, flag)]
 
 
 def _size(n: Number) -> str:
@@ -133,6 +133,8 @@ OPTIONS: dict[str, Range] = {
     # message, with that minimum in experts and bytes, once the config is read (runtime/offload.num_slots)
     "--cache-experts": Range(int, 0, 1_000_000, why="the model's minimum is said once its config is read"),
     "--gpu-memory": Range(int, 1, 2**44, why="a size such as 2GiB", parse=_bytes, show=_size),
+    # below the model's minimum (2K rows) the loader says it in MiB (runtime/disk_tier.ram_slots)
+    "--host-memory": Range(int, 1, 2**44, why="a size such as 8GiB", parse=_bytes, show=_size),
     "--group-size": Range(int, 1, 2**20, why="it must also divide I*H, checked when the model loads"),
     "--max-new-tokens": Range(int, 1, 1_000_000),
     "--max-gen-toks": Range(int, 1, 1_000_000),

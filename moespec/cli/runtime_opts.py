@@ -41,7 +41,8 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
                          group_size: Optional[int] = None, cache_policy: Optional[str] = None,
                          on_miss: str = "fetch", host_threads: Optional[int] = None,
-                         guard_rule: str = "budget", requantize: bool = False) -> RuntimeConfig:
+                         guard_rule: str = "budget", requantize: bool = False,
+                         host_memory: Optional[str] = None) -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
@@ -49,6 +50,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
 
     ``estimator`` (``--estimator``) is the estimator file of `estimator` / `hybrid`; it overrides the
     file found automatically. ``on_miss`` is the ``--on-miss`` text (fetch, host, auto).
+    ``host_memory`` (``--host-memory``): the RAM tier of the disk tier.
     ``fetch_threshold``: one τ (a number or the ``--fetch-threshold`` text; None = the default).
 
     Raises:
@@ -65,6 +67,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size, requantize=requantize,
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
         on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
+        host_memory_bytes=parse_bytes(host_memory, "--host-memory") if host_memory is not None else None,
     )
 
 

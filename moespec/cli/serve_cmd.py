@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
-                                ExpertDtype, FetchThreshold, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
+                                ExpertDtype, FetchThreshold, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
                                 ModelArg, Requantize,
                                 OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors, register_command,
                                 print_notes, set_threads)
@@ -83,6 +83,7 @@ def serve(
                                                          "'*' for any)."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
+    host_memory: Optional[str] = HostMemory,
     predictor: str = PredictorOpt,
     execute: str = ExecuteOpt,
     fetch_threshold: Optional[str] = FetchThreshold,
@@ -116,7 +117,7 @@ def serve(
     kind = enum_option(Predictor, predictor, "--predictor")
     check_estimator_use(estimator, [kind])
     cfg = build_runtime_config(
-        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts,
+        device=device, dtype=dtype, expert_dtype=expert_dtype, gpu_memory=gpu_memory, cache_experts=cache_experts, host_memory=host_memory,
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,

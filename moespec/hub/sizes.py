@@ -144,6 +144,17 @@ class ModelSizes:
         return self.experts_bytes + self.dense_bytes + HOST_HEADROOM_BYTES
 
     @property
+    def from_disk_min_ram_bytes(self) -> int:
+        """Host RAM a CPU run with the experts on disk needs at least (runtime/disk_tier.py): the dense part,
+        2K expert rows of the RAM tier (each rounded up to 4 KiB) and the headroom. Its disk: experts_bytes."""
+        row = -(-self.expert_bytes // 4096) * 4096
+        return self.dense_bytes + 2 * self.params.top_k * row + HOST_HEADROOM_BYTES
+
+    def runs_from_disk(self, available_ram: int) -> bool:
+        """True when a CPU run keeps the experts on disk on a host with ``available_ram`` bytes free."""
+        return self.host_ram_cpu_bytes > available_ram
+
+    @property
     def zero_cache_h2d_bytes_per_token(self) -> int:
         """num_moe_layers × top_k × expert_bytes: bytes copied per decode token with no expert cached."""
         return self.params.num_moe_layers * self.params.top_k * self.expert_bytes

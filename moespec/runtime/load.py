@@ -23,9 +23,11 @@ from moespec.models import adapter_for
 from moespec.models.base import MoeAdapter
 from moespec.predict.base import LayerRef, NoPredictor
 from moespec.predict.factory import make_predictor
+from moespec.runtime import disk_tier
 from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.host.disk_store import DiskStore, round_up
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
@@ -207,14 +209,28 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     store_bytes = ExpertStore.bytes_needed(len(moe_layers), adapter.num_experts(), layout, dtype)
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
-    slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
+    on_disk = disk_tier.wanted(cfg, device, host_bytes_needed(model, store_bytes, device))
+    if on_disk:  # the RAM tier is the cache: its rows come from --host-memory (disk_tier.ram_slots)
+        dense = host_bytes_needed(model, 0, device)
+        stride = round_up(expert_bytes)  # a row's bytes in the file and in a RAM slot (O_DIRECT alignment)
+        slots = disk_tier.ram_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), stride, dense)
+    else:
+        slots = num_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), expert_bytes)
     # A missing calibration file fails here, before anything is allocated.
     cache_policy = resolve_policy(cfg.cache_policy, path, cfg.calibration_path)
-    check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
-    store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
+    if on_disk:
+        check_host_memory(dense + slots * stride, f"{path.name} (dense part + the RAM tier of expert rows)")
+        store = disk_tier.open_store(path, source, layout, dtype, moe_layers, adapter.num_experts(),
+                                     disk_tier.fill_experts(source, adapter, device, dtype))[0]
+        if cfg.disk_reads == "mmap":  # the baseline (README, "Experts on disk"): the page cache as cache
+            store = store.mapped()
+    else:
+        check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
+        store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = None
     try:  # whatever fails from here (a corrupt file, a stale calibration) unpins what was pinned
-        engine = make_transfer_engine(device, slots, cfg.link_gbps)
+        direct = isinstance(store, DiskStore)
+        engine = disk_tier.make_engine(store) if direct else make_transfer_engine(device, slots, cfg.link_gbps)
         cache = ExpertCache(store, slots, device, engine, None, prefetch_slots=adapter.top_k())  # rule: after loading
         recorder = recorder or NullRecorder()
         wire_recorder(recorder, engine)
@@ -231,8 +247,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
             refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
 
         # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
-        saved = QuantStoreCache.for_store(path, source.fingerprint, store)  # None when the layout is not quantised
-        from_cache = saved is not None and saved.load_into(store)
+        saved = None if on_disk else QuantStoreCache.for_store(path, source.fingerprint, store)  # None: not quantised
+        from_cache = on_disk or (saved is not None and saved.load_into(store))  # on disk: the rows are in the file
         _load_weights(model, adapter, store, source, device, dtype, read_experts=not from_cache)
         unsaved = saved.save(store) if saved is not None and not from_cache else None  # a note, never fatal
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers

@@ -206,6 +206,8 @@ class Summary:
         host_experts_per_token, host_ms_per_token: misses computed on the host, and their host ms.
         reused_tokens: prompt tokens whose keys/values came from the KV cache (multi-turn chat);
             the whole prompt is prompt_tokens + reused_tokens.
+        disk: with the experts on disk (runtime/disk_tier.disk_numbers), disk bytes per token, the RAM
+            tier's hit rate, disk stall ms per token, the disk read GB/s achieved; None otherwise.
     """
 
     prompt_tokens: int
@@ -224,6 +226,7 @@ class Summary:
     host_experts_per_token: float = 0.0
     host_ms_per_token: float = 0.0
     reused_tokens: int = 0
+    disk: dict | None = None
 
 
 def summarize(steps: list[StepStats]) -> Summary:

@@ -67,6 +67,10 @@ class ServerMetrics:
         self.cache_used = Gauge("moespec_cache_slots_used", "slots holding an expert", registry=reg)
         self.resident = Gauge("moespec_cache_resident_experts", "experts of each layer held in the cache", ["layer"],
                               registry=reg)
+        self.disk_bytes = Gauge("moespec_disk_read_bytes", "expert bytes read from disk since load (disk tier)",
+                                registry=reg)
+        self.disk_gbps = Gauge("moespec_disk_read_gbps", "disk read GB/s achieved since load (disk tier)",
+                               registry=reg)
         self._decode_totals: dict[int, LayerStats] = {}
 
     def set_queue(self, running: int, waiting: int) -> None:
@@ -114,6 +118,11 @@ class ServerMetrics:
             per_layer[layer] = per_layer.get(layer, 0) + 1
         for layer in cache.store.moe_layers:
             self.resident.labels(str(layer)).set(per_layer.get(layer, 0))
+        engine = cache.engine
+        if hasattr(engine, "reads"):  # the disk reader (runtime/transfer/disk.py): the RAM tier is the cache
+            busy = engine.busy_seconds()
+            self.disk_bytes.set(engine.bytes_moved)
+            self.disk_gbps.set(engine.bytes_moved / busy / 1e9 if busy > 0 else 0.0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

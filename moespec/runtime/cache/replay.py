@@ -47,6 +47,9 @@ class _NullStore:
     def row_numel(self, layer: int) -> int:
         return 1
 
+    def slot_rows(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(num_slots, 1, dtype=self.dtype, device=device)  # [S, 1]
+
     def copy_bytes(self, layer: int) -> int:
         return self.expert_bytes
 

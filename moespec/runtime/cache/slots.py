@@ -73,7 +73,7 @@ class ExpertCache:
         default = num_slots // 2 if prefetch_slots is None else prefetch_slots
         self.prefetch_slots = max(0, min(default, num_slots - 1))
         self._make_rule = rule or EvictionRule
-        self.slots = torch.empty(num_slots, store.layout.numel, dtype=store.dtype, device=device)  # [S, P]
+        self.slots = store.slot_rows(num_slots, device)  # [S, P]
         self.expert_bytes = store.expert_bytes  # a slot's bytes: the most one copy moves (copy_bytes: per layer)
         self.copies = 0  # copies issued (demand + prefetch)
         self._reset()

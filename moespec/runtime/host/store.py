@@ -28,13 +28,16 @@ class ExpertStore:
         dtype: the model's compute dtype (the row dtype is ``layout.storage_dtype(dtype)``).
         pin: page-lock the buffer (only when a CUDA device is used).
         device: the CUDA device to pin for (default: the current one); ignored without ``pin``.
+        buffer: an existing [M, E, P] tensor of the row dtype to write into (the disk store's file
+            mapping, disk_store.py); None allocates one.
 
     Raises:
         BudgetError: the CUDA runtime refused to page-lock the buffer.
     """
 
     def __init__(self, moe_layers: list[int], num_experts: int, layout: ExpertLayout,
-                 dtype: torch.dtype, pin: bool = False, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype, pin: bool = False, device: torch.device | None = None,
+                 buffer: torch.Tensor | None = None) -> None:
         self.moe_layers = list(moe_layers)
         self.position = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.num_experts = num_experts
@@ -42,7 +45,10 @@ class ExpertStore:
         self.dtype = layout.storage_dtype(dtype)
         shape = (len(self.moe_layers), num_experts, layout.numel)
         self._pinned: PinnedBuffer | None = None
-        if pin:
+        if buffer is not None:
+            assert tuple(buffer.shape) == shape and buffer.dtype == self.dtype and not pin
+            self.buffer = buffer  # [M, E, P]
+        elif pin:
             dev = device if device is not None and device.index is not None else \
                 torch.device("cuda", torch.cuda.current_device())
             self._pinned = PinnedBuffer(self.bytes_needed(len(self.moe_layers), num_experts, layout, dtype), dev)
@@ -78,6 +84,10 @@ class ExpertStore:
         """Bytes one H2D copy of a layer-``layer`` expert moves (its row's data, without the padding
         up to the largest layer's row)."""
         return self.row_numel(layer) * self.buffer.element_size()
+
+    def slot_rows(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        """The device cache's slots [S, P] for rows of this store (the disk store's are aligned for O_DIRECT)."""
+        return torch.empty(num_slots, self.layout.numel, dtype=self.dtype, device=device)
 
     @property
     def total_bytes(self) -> int:

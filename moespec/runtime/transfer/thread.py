@@ -10,16 +10,16 @@ prefetch that has not started can be cancelled: it never runs and its bytes are 
 from __future__ import annotations
 
 import heapq
-import itertools
 import threading
 import time
 
 import torch
 
 from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
+from moespec.runtime.transfer.queue import CopyQueue
 
 
-class ThreadTransferEngine(TransferEngine):
+class ThreadTransferEngine(CopyQueue, TransferEngine):
     """CPU: copies on one worker thread, FIFO like a copy stream, optionally throttled.
 
     Args:
@@ -28,14 +28,9 @@ class ThreadTransferEngine(TransferEngine):
 
     def __init__(self, link_gbps: float | None = None) -> None:
         self.link_gbps = link_gbps
-        self.bytes_moved = 0
+        self._init_queue()  # demand copies go before queued prefetches, FIFO within (queue.py)
         self._busy_s = 0.0
-        # (priority, sequence, job): demand copies (0) go before queued prefetches (1), FIFO within.
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._queued: dict[int, Ticket] = {}  # slot -> its prefetch still in the queue
         self._hurry = threading.Event()  # set by cancel_pending: end the emulated link wait now
         self._thread = threading.Thread(target=self._run, name="moespec-h2d", daemon=True)
         self._thread.start()
@@ -85,28 +80,8 @@ class ThreadTransferEngine(TransferEngine):
         nbytes = src.numel() * src.element_size()
         ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event(), prefetch=prefetch)
         with self._cv:
-            # Why: a demand copy into this slot would run before a queued prefetch into it (priority),
-            # which would then overwrite it; the queued one is unwanted (its slot was taken), drop it.
-            old = self._queued.pop(slot, None)
-            if old is not None:
-                self._cancel_locked(old)
-            if prefetch:
-                self._queued[slot] = ticket
-            self.bytes_moved += nbytes
-            heapq.heappush(self._heap, (1 if prefetch else 0, next(self._seq), (dst, src, ticket)))
-            self._cv.notify()
+            self._enqueue_locked(dst, src, ticket)
         return ticket
-
-    def _cancel_locked(self, ticket: Ticket) -> bool:
-        if ticket.started or ticket.cancelled or ticket.done.is_set():
-            return False
-        ticket.cancelled = True
-        self.bytes_moved -= ticket.nbytes
-        return True
-
-    def cancel(self, ticket: Ticket) -> bool:
-        with self._cv:
-            return self._cancel_locked(ticket)
 
     def cancel_pending(self) -> list[Ticket]:
         dropped = []
@@ -129,12 +104,6 @@ class ThreadTransferEngine(TransferEngine):
         if self._error is not None:
             raise self._error
         return Span(t0, time.perf_counter())
-
-    def landed(self, ticket: Ticket) -> bool:
-        return ticket.cancelled or ticket.waited or ticket.done.is_set()
-
-    def mark(self) -> float:
-        return time.perf_counter()
 
     def synchronize(self) -> None:
         done = threading.Event()

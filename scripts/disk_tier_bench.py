@@ -1,0 +1,200 @@
+"""Measure the disk tier on a Qwen3-30B-A3B-shaped random slice (README, "Experts on disk").
+
+    python scripts/disk_tier_bench.py make /tmp/q30 --layers 8          # 9.7 GB of bf16 experts
+    python scripts/disk_tier_bench.py arm /tmp/q30 --predictor router --host-memory 1GiB --tokens 12
+    python scripts/disk_tier_bench.py reader /tmp/q30 --inflight 8 --seconds 6
+
+``make`` writes config.json and one safetensors shard per layer (experts as mlp.experts.N.*_proj, as
+the Hub's checkpoint names them), never more than one layer in RAM. ``arm`` loads the model with the
+experts on disk, decodes greedily from a fixed random prompt and prints one JSON line (TPOT, the
+disk tier's numbers, peak RSS). ``reader`` reads random rows of the model's store file with the
+disk tier's reader and ``--inflight`` reads in flight, nothing else running: the O_DIRECT GB/s the
+disk floor divides by. Run each arm in its own process under scripts/memcap.sh with the page cache
+dropped before it (scripts/disk_tier_bench.sh does both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+
+def make(folder: Path, layers: int, vocab: int) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, dtype="bfloat16")
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+
+    pool = (torch.randn(1 << 26, generator=gen) * 0.02).to(torch.bfloat16)  # 128 MB of N(0, 0.02) values
+
+    def rnd(*shape, scale=0.02):
+        """Random-looking weights cheaply: a copy of the pool at a random offset (the disk tier's timing
+        does not depend on the values; the routers get fresh random weights, so routing varies)."""
+        n = int(torch.tensor(shape).prod())
+        if scale != 0.02 or n > pool.numel():
+            return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+        start = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=gen))
+        return pool[start : start + n].clone().view(*shape)
+
+    H, I, E = 2048, 768, 128
+    index = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t = {p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+             p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+             p + "self_attn.q_proj.weight": rnd(4096, H), p + "self_attn.k_proj.weight": rnd(512, H),
+             p + "self_attn.v_proj.weight": rnd(512, H), p + "self_attn.o_proj.weight": rnd(H, 4096),
+             p + "self_attn.q_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+             p + "self_attn.k_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+             p + "mlp.gate.weight": rnd(E, H, scale=0.5)}
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            t[q + "gate_proj.weight"], t[q + "up_proj.weight"], t[q + "down_proj.weight"] = rnd(I, H), rnd(I, H), rnd(H, I)
+        name = f"model-{i:05d}.safetensors"
+        save_file(t, folder / name, metadata={"format": "pt"})
+        index.update({k: name for k in t})
+        del t
+    t = {"model.embed_tokens.weight": rnd(vocab, H), "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+         "lm_head.weight": rnd(vocab, H)}
+    save_file(t, folder / "model-dense.safetensors", metadata={"format": "pt"})
+    index.update({k: "model-dense.safetensors" for k in t})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+
+
+def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str) -> None:
+    from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
+    from moespec.runtime.disk_tier import disk_numbers
+    from moespec.runtime.engine import Engine
+    from moespec.runtime.load import load_offloaded
+    from moespec.runtime.stats import StatsRecorder, summarize
+
+    t0 = time.perf_counter()
+    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=parse_bytes(host_memory), disk_reads=disk_reads)
+    om = load_offloaded(folder, cfg, StatsRecorder())
+    load_s = time.perf_counter() - t0
+    prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
+    try:
+        # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
+        out = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens, temperature=1.0, seed=0)))
+        summary = summarize(om.recorder.steps)
+        disk = disk_numbers(summary, om.cache)
+    finally:
+        om.close()
+    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
+                      "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
+                      "recall": summary.recall, "tokens": out[:4], **(disk or {}),
+                      "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
+                      "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
+                      "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+
+
+def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, prompt_len: int) -> None:
+    """transformers + accelerate's disk offload (device_map auto, max_memory, offload_folder): greedy decode, TPOT."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": cpu_memory},
+                                                 offload_folder=str(offload), dtype=torch.bfloat16)
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([random.Random(1).choices(range(model.config.vocab_size), k=prompt_len)])
+    times = []
+    with torch.inference_mode():
+        kv = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=kv, use_cache=True)
+        for _ in range(tokens):
+            nxt = out.logits[:, -1:].argmax(-1)
+            t = time.perf_counter()
+            out = model(nxt, past_key_values=kv, use_cache=True)
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"arm": "accelerate offload_folder", "load_s": round(load_s, 2),
+                      "tpot_ms": round(1e3 * sum(times) / len(times), 1),
+                      "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+
+
+def reader(folder: Path, inflight: int, seconds: float) -> None:
+    from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
+    from moespec.runtime.transfer.disk import DiskReadEngine
+    from moespec.artifacts import model_key, sanitize_model_id
+    from moespec.paths import moespec_home
+
+    (path,) = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
+    with open(path, "rb") as fh:  # the file's own header: the bench reads whatever the loader wrote
+        head = fh.read(24)
+        meta = json.loads(fh.read(int.from_bytes(head[16:24], "little")))["meta"]
+    store = DiskStore.open(path, meta)
+    engine = DiskReadEngine(path, readers=inflight)
+    rows = len(store.moe_layers) * store.num_experts
+    stride = store.stride
+    buf = torch.frombuffer(__import__("mmap").mmap(-1, inflight * stride), dtype=torch.uint8).view(inflight, stride)
+    rng = random.Random(0)
+
+    itemsize = torch.empty((), dtype=getattr(torch, store.header["dtype"].removeprefix("torch."))).element_size()
+    nbytes = int(store.header["numel"]) * itemsize  # every layer's rows are whole here (no GGUF mix)
+
+    def row():
+        i = rng.randrange(rows)
+        key = (store.moe_layers[i // store.num_experts], i % store.num_experts)
+        return DiskRow(key, store.data_offset + i * stride, nbytes, round_up(nbytes), store.digests[i])
+
+    tickets = [engine.submit(buf[s], row(), s) for s in range(inflight)]
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        for s in range(inflight):
+            engine.wait(tickets[s])
+            n += tickets[s].nbytes
+            tickets[s] = engine.submit(buf[s], row(), s)
+    wall = time.perf_counter() - t0
+    engine.close()
+    print(json.dumps({"inflight": inflight, "gbps": round(n / wall / 1e9, 3), "o_direct": engine.direct,
+                      "bytes": n, "seconds": round(wall, 2)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("folder", type=Path)
+    m.add_argument("--layers", type=int, default=8)
+    m.add_argument("--vocab", type=int, default=4096)
+    a = sub.add_parser("arm")
+    a.add_argument("folder", type=Path)
+    a.add_argument("--predictor", default="router")
+    a.add_argument("--host-memory", default="1GiB")
+    a.add_argument("--tokens", type=int, default=12)
+    a.add_argument("--prompt-len", type=int, default=8)
+    a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
+    h = sub.add_parser("accelerate")
+    h.add_argument("folder", type=Path)
+    h.add_argument("--cpu-memory", default="1GiB")
+    h.add_argument("--offload", type=Path, required=True)
+    h.add_argument("--tokens", type=int, default=2)
+    h.add_argument("--prompt-len", type=int, default=8)
+    r = sub.add_parser("reader")
+    r.add_argument("folder", type=Path)
+    r.add_argument("--inflight", type=int, default=8)
+    r.add_argument("--seconds", type=float, default=6.0)
+    args = ap.parse_args()
+    if args.cmd == "make":
+        make(args.folder, args.layers, args.vocab)
+    elif args.cmd == "arm":
+        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads)
+    elif args.cmd == "accelerate":
+        accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
+    else:
+        reader(args.folder, args.inflight, args.seconds)
+
+
+if __name__ == "__main__":
+    main()
