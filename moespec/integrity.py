@@ -188,15 +188,13 @@ CHUNK_BYTES = 1 << 20
 
 
 def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
-                check: Callable[[int, int], bool] | None = None, overlap: bool = True) -> bool:
+                check: Callable[[int, int], bool] | None = None) -> bool:
     """Read ``len(dest)`` bytes of the open file ``fh`` from byte ``offset`` into ``dest``, hashing them.
 
     The bytes go straight from the file into ``dest`` (``readinto``: one copy, no mapping); each
     chunk is fed to ``hasher`` in order, then to ``check(start, stop)`` (byte offsets into ``dest``;
-    e.g. "are these rows' scales finite"), while it is still in the CPU's cache. With ``overlap``
-    both run on a second thread while the next chunk is read (:func:`start_read_hashed`; xxhash and
-    numpy release the GIL), so on two idle cores the wall time is about the read's; without it,
-    inline after each chunk's read (one core).
+    e.g. "are these rows' scales finite"), inline after each chunk's read, while it is still in the
+    CPU's cache (one core; :func:`start_read_hashed` runs them on a second thread instead).
 
     Args:
         fh: a binary file opened unbuffered (``open(path, "rb", buffering=0)``).
@@ -211,8 +209,6 @@ def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
     Raises:
         OSError: reading failed. An error raised by ``hasher`` or ``check`` is raised here too.
     """
-    if overlap:
-        return start_read_hashed(fh, offset, dest, hasher, chunk_bytes, check).wait()
     view = _begin(fh, offset, dest)
     for start in range(0, len(view), chunk_bytes):
         stop = min(len(view), start + chunk_bytes)
@@ -227,7 +223,8 @@ def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
 
 def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
                       check: Callable[[int, int], bool] | None = None) -> HashedRead:
-    """:func:`read_hashed` with ``overlap``, returning once the last chunk is READ: the hashing
+    """:func:`read_hashed` with the hashing and ``check`` on a second thread while the next chunk
+    is read (xxhash and numpy release the GIL), returning once the last chunk is READ: the hashing
     thread may still be busy with the last chunks. Call :meth:`HashedRead.wait` before ``dest`` or
     ``hasher`` is used (and before ``dest``'s memory is freed), e.g. after loading something else
     meanwhile.

@@ -61,7 +61,7 @@ def unchecked(cache: QuantStoreCache, store: ExpertStore) -> None:
     """load_into's read (readinto in the same chunks) without the hash and the scales check."""
     offset, _ = cache._data_range(store.buffer)
     with open(cache.path, "rb", buffering=0) as fh:
-        assert read_hashed(fh, offset, store.buffer.view(-1).numpy(), None, overlap=False)
+        assert read_hashed(fh, offset, store.buffer.view(-1).numpy(), None)
 
 
 def _evict(path) -> None:

@@ -134,7 +134,7 @@ class QuantStoreCache:
             per_chunk = max(1, CHUNK_BYTES // row_bytes) * row_bytes
             with open(self.path, "rb", buffering=0) as fh:
                 if not overlap:
-                    return read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok, False) \
+                    return read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok) \
                         and hasher.hexdigest() == want
                 return PendingLoad(start_read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok),
                                    hasher, want)
