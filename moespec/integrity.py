@@ -3,9 +3,11 @@
 Every safetensors file moespec writes for itself (calibration, estimators, the quantised expert
 store, estimator states, default-model build checkpoints) carries in its header a checksum of its
 tensor DATA, not only of the header: xxHash's XXH3-128 over each tensor's name, dtype, shape and
-bytes in name order (fast and non-cryptographic: a damaged file, not a forged one); checking the
-default model's 36 MB int4 store takes ~8 ms, 0.5 % of the model's load (README, "Files and faults").
-A file without a checksum (written before it existed) is read as before.
+bytes in name order (fast and non-cryptographic: a damaged file, not a forged one). A large file
+(the quantised expert store) is read with :func:`read_hashed`: each chunk is hashed while it is
+still in the CPU's cache, on a second thread, while the next chunk is read, so the check costs
+little more than the read itself (scripts/integrity_cost.py; README, "Files and faults"). A file
+without a checksum (written before it existed) is read as before.
 
 On a mismatch a cache is rebuilt and a user's file refused with one line; a tensor that must be
 finite and is not (NaN/Inf) is refused the same way, since a NaN default vector or estimator weight
@@ -16,9 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import queue
 import struct
+import threading
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 # Where the checksum goes: a field of the file's moespec JSON metadata entry (one entry, because
 # safetensors writes several metadata keys in hash order, which would make equal files differ in
@@ -174,3 +179,130 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 24) -> str:
         while chunk := fh.read(chunk_bytes):
             h.update(chunk)
     return h.hexdigest()
+
+
+# Bytes read per chunk by read_hashed: small enough to be hashed from the CPU's cache (L2 is 0.5-2 MB
+# a core; the shared L3 holds several chunks), large enough that the hand-over to the hashing
+# thread (a queue put and get, ~10 us) is noise.
+CHUNK_BYTES = 1 << 20
+
+
+def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
+                check: Callable[[int, int], bool] | None = None) -> bool:
+    """Read ``len(dest)`` bytes of the open file ``fh`` from byte ``offset`` into ``dest``, hashing them.
+
+    The bytes go straight from the file into ``dest`` (``readinto``: one copy, no mapping); each
+    chunk is fed to ``hasher`` in order, then to ``check(start, stop)`` (byte offsets into ``dest``;
+    e.g. "are these rows' scales finite"), inline after each chunk's read, while it is still in the
+    CPU's cache (one core; :func:`start_read_hashed` runs them on a second thread instead).
+
+    Args:
+        fh: a binary file opened unbuffered (``open(path, "rb", buffering=0)``).
+        dest: a writable contiguous uint8 numpy array (e.g. a store's buffer viewed flat).
+        hasher: a streaming hasher (:func:`new_hasher`), or None to only read (the reference copy).
+        chunk_bytes: bytes per chunk; pass a multiple of a row when ``check`` looks at whole rows.
+
+    Returns:
+        False when the file ended early or ``check`` refused a chunk (``dest`` then holds a partial
+        read: do not use it); True otherwise. The caller compares ``hasher``'s digest.
+
+    Raises:
+        OSError: reading failed. An error raised by ``hasher`` or ``check`` is raised here too.
+    """
+    view = _begin(fh, offset, dest)
+    for start in range(0, len(view), chunk_bytes):
+        stop = min(len(view), start + chunk_bytes)
+        if not _read_exactly(fh, view[start:stop]):
+            return False
+        if hasher is not None:
+            hasher.update(view[start:stop])
+        if check is not None and not check(start, stop):
+            return False
+    return True
+
+
+def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
+                      check: Callable[[int, int], bool] | None = None) -> HashedRead:
+    """:func:`read_hashed` with the hashing and ``check`` on a second thread while the next chunk
+    is read (xxhash and numpy release the GIL), returning once the last chunk is READ: the hashing
+    thread may still be busy with the last chunks. Call :meth:`HashedRead.wait` before ``dest`` or
+    ``hasher`` is used (and before ``dest``'s memory is freed), e.g. after loading something else
+    meanwhile.
+
+    Raises:
+        OSError: reading failed (the hashing thread is stopped first).
+    """
+    view = _begin(fh, offset, dest)
+    work = HashedRead(view, hasher, check)
+    try:
+        for start in range(0, len(view), chunk_bytes):
+            stop = min(len(view), start + chunk_bytes)
+            if not _read_exactly(fh, view[start:stop]):
+                work.complete = False
+                break
+            work.todo.put((start, stop))
+    except BaseException:
+        work.complete = False
+        work.wait()
+        raise
+    work.todo.put(None)
+    return work
+
+
+def _begin(fh, offset: int, dest) -> memoryview:
+    """``dest`` as bytes, with ``fh`` at ``offset`` and the kernel told the read is sequential."""
+    view = memoryview(dest).cast("B")
+    try:  # for a cold read from disk: read ahead aggressively
+        os.posix_fadvise(fh.fileno(), offset, len(view), os.POSIX_FADV_SEQUENTIAL)
+    except (AttributeError, OSError):
+        pass
+    fh.seek(offset)
+    return view
+
+
+def _read_exactly(fh, into: memoryview) -> bool:
+    """Fill ``into`` from ``fh``; False when the file ends first."""
+    done = 0
+    while done < len(into):
+        n = fh.readinto(into[done:])
+        if not n:
+            return False
+        done += n
+    return True
+
+
+class HashedRead:
+    """A thread that hashes and checks, in order, the chunks :func:`start_read_hashed` has read.
+
+    ``wait()`` joins it (idempotent): True when every chunk was read and accepted; it raises what
+    the hasher or the check raised.
+    """
+
+    def __init__(self, view: memoryview, hasher, check) -> None:
+        self.view, self.hasher, self.check = view, hasher, check
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.complete, self.accepted, self.error = True, True, None
+        self.thread = threading.Thread(target=self._run, name="moespec-hash", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.todo.get()) is not None:
+            if self.error is not None or not self.accepted:
+                continue  # drain: the result is decided
+            start, stop = item
+            try:
+                if self.hasher is not None:
+                    self.hasher.update(self.view[start:stop])
+                if self.check is not None and not self.check(start, stop):
+                    self.accepted = False
+            except BaseException as exc:  # re-raised in the waiting thread
+                self.error = exc
+
+    def wait(self) -> bool:
+        """Join the thread; True when all was read and accepted. Raises what the thread raised."""
+        if self.thread.is_alive():
+            self.todo.put(None)  # a second sentinel after the reader's is never read: harmless
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.complete and self.accepted

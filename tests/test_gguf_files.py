@@ -98,6 +98,27 @@ def test_second_start_reuses_the_prepared_folder_until_the_file_changes(tmp_path
     assert resolve_model(str(path)) == folder and len(opened) == 1
 
 
+
+def test_a_flipped_byte_in_the_prepared_folder_makes_it_again(tmp_path, q8, monkeypatch):
+    """Every file of the folder (config, tokenizer, marker) is checked against the marker's digests."""
+    from moespec.gguf import SOURCE_FILE, reader
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    good = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert SOURCE_FILE in good and "config.json" in good and "tokenizer.json" in good
+    opened = []
+    real = reader.GgufCheckpoint.open
+    monkeypatch.setattr(reader.GgufCheckpoint, "open", classmethod(lambda cls, f: opened.append(f) or real(f)))
+    for name, data in sorted(good.items()):
+        damaged = bytearray(data)
+        damaged[len(data) // 2] ^= 0x01  # a digit, a letter, a brace: JSON that may still parse
+        (folder / name).write_bytes(bytes(damaged))
+        opened.clear()
+        assert resolve_model(str(path)) == folder and len(opened) == 1, name  # made again
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == good, name  # the same bytes as before
+
 def _write_raw(path, arch: str, experts: int) -> None:
     """A GGUF with an architecture's basic keys and one tensor (no tokenizer)."""
     import gguf

@@ -7,6 +7,8 @@ chat template (transformers' GGUF tokenizer reader, saved as tokenizer.json), ge
 first use (seconds: the tokenizer conversion dominates) and reused while every part's size, mtime
 and header hash are unchanged, so a second start reads neither the metadata nor the vocabulary
 again. Writing goes to a temporary folder renamed into place, so a half-made folder is never used.
+The marker records an XXH3-128 digest of every other file in the folder and of itself
+(moespec.integrity): a folder whose files or marker were damaged is made again, never read.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from moespec.gguf import SOURCE_FILE
 from moespec.gguf.files import GgufFiles
 from moespec.gguf.reader import GgufCheckpoint, fingerprint
 
-FORMAT = 1
+FORMAT = 2  # 2: the marker records the digests of the folder's files and of itself
 
 
 def sidecar_dir(key: str) -> Path:
@@ -34,12 +36,38 @@ def sidecar_dir(key: str) -> Path:
 
 
 def read_marker(folder: Path) -> dict | None:
-    """The parsed moespec-gguf.json of ``folder``, or None when absent or unreadable."""
+    """The parsed moespec-gguf.json of ``folder``, or None when absent, unreadable, of another format,
+    or when it or a file it lists does not match its digest (damaged: made again)."""
     try:
         data = json.loads((Path(folder) / SOURCE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return None
+        body = {k: v for k, v in data.items() if k != "digest"}
+        files = data["files"]
+        if data.get("digest") != _json_digest(body) or files != _file_digests(Path(folder), list(files)):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+    return data
+
+
+def _json_digest(obj) -> str:
+    """XXH3-128 of ``obj``'s canonical JSON."""
+    from moespec.integrity import new_hasher
+
+    h = new_hasher()
+    h.update(json.dumps(obj, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _file_digests(folder: Path, names: list[str] | None = None) -> dict[str, str]:
+    """{name: XXH3-128 of its bytes} of the files ``names`` of ``folder`` (default: every file but the
+    marker: what prepare wrote; files added later, such as the dense cache, check themselves)."""
+    from moespec.integrity import file_digest
+
+    if names is None:
+        names = [p.name for p in folder.iterdir() if p.is_file() and p.name != SOURCE_FILE]
+    return {name: file_digest(folder / name) for name in sorted(names)}
 
 
 def is_current(data: dict, files: GgufFiles | None = None) -> bool:
@@ -88,7 +116,10 @@ def prepare(files: GgufFiles, key: str) -> Path:
         config.save_pretrained(tmp)
         _write_tokenizer(files, tmp)
         _write_generation_config(ck, tmp)
-        marker = {"format": FORMAT, "key": key, "fingerprints": ck.fingerprints(), "checkpoint": ck.to_json()}
+        marker = {"format": FORMAT, "key": key, "fingerprints": ck.fingerprints(), "checkpoint": ck.to_json(),
+                  "files": _file_digests(tmp)}
+        marker = json.loads(json.dumps(marker))  # as it reads back (tuples become lists), then sealed
+        marker["digest"] = _json_digest(marker)
         (tmp / SOURCE_FILE).write_text(json.dumps(marker), encoding="utf-8")
         if folder.exists():
             shutil.rmtree(folder)

@@ -227,7 +227,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     else:
         check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
         store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
-    engine = om = None
+    engine = om = pending = None
     try:  # whatever fails from here (a corrupt file, a stale calibration) unpins what was pinned
         direct = isinstance(store, DiskStore)
         engine = disk_tier.make_engine(store) if direct else make_transfer_engine(device, slots, cfg.link_gbps)
@@ -248,8 +248,13 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
 
         # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
         saved = None if on_disk else QuantStoreCache.for_store(path, source.fingerprint, store)  # None: not quantised
-        from_cache = on_disk or (saved is not None and saved.load_into(store))  # on disk: the rows are in the file
-        _load_weights(model, adapter, store, source, device, dtype, read_experts=not from_cache)
+        # Its rows are checked on a second thread while the dense weights load; joined before use.
+        pending = saved.start_load(store) if saved is not None else None
+        # On disk the rows are in the store file (checked per row as they are read).
+        _load_weights(model, adapter, store, source, device, dtype, read_experts=not on_disk and pending is None)
+        from_cache = on_disk or (pending is not None and pending.wait())
+        if pending is not None and not from_cache:  # damaged rows: read the experts from the checkpoint
+            _load_weights(model, adapter, store, source, device, dtype, read_experts=True)
         unsaved = saved.save(store) if saved is not None and not from_cache else None  # a note, never fatal
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
@@ -258,6 +263,8 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
     except BaseException:
+        if pending is not None:
+            pending.wait()  # its thread reads the buffer: joined before the buffer is freed
         if om is not None:
             om.close()
         else:

@@ -10,7 +10,7 @@ a few kB per shard, never the weights.
 
 A file whose header differs in anything (checkpoint changed, other settings, older format), that
 cannot be read (truncated), whose data does not match the XXH3-128 checksum in its header (a flipped
-byte; moespec.integrity, checked block by block while the rows are copied in) or whose scales are
+byte; moespec.integrity, checked chunk by chunk while the rows are read in) or whose scales are
 not finite is never used: the store is quantised again from the checkpoint and the file rewritten
 atomically (moespec.fsutil). Wrong weights need a checkpoint rewritten with the same sizes, mtimes
 and headers. The file is only a cache: when it cannot be written (a full disk, a read-only home)
@@ -30,9 +30,8 @@ import torch
 
 from moespec.artifacts import quant_store_path
 from moespec.errors import OutputError
-from moespec.integrity import DIGEST_KEY, new_hasher, tensor_header, update
+from moespec.integrity import CHUNK_BYTES, DIGEST_KEY, new_hasher, tensor_header
 from moespec.models.quant_layout import QuantLayout
-from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow
 from moespec.runtime.host.store import ExpertStore
 
 FORMAT = 3  # bump when the row layout or the arithmetic changes (2: int4 packs halves; 3: groups along rows,
@@ -87,42 +86,105 @@ class QuantStoreCache:
                 "checkpoint": fingerprint()}
         return cls(cache_path(model_folder, layout), json.loads(json.dumps(meta)))
 
-    def load_into(self, store: ExpertStore) -> bool:
-        """Fill ``store.buffer`` from the file, block by block; False when it is absent or stale.
+    def load_into(self, store: ExpertStore, overlap: bool = True) -> bool:
+        """Fill ``store.buffer`` from the file, verified; False when it is absent, stale or damaged.
 
-        A stale or unreadable file is left for :meth:`save` to replace; nothing partial is used (the
-        caller quantises the whole store again when this returns False).
+        :meth:`start_load` then its ``wait()``; ``overlap=False`` checks each chunk inline instead
+        (one thread). Nothing partial is used: the caller quantises the whole store again when this
+        returns False, and :meth:`save` replaces the file. :meth:`load_into_reference` is the slow check.
         """
+        if overlap:
+            pending = self.start_load(store)
+            return pending is not None and pending.wait()
+        return self._read(store, overlap=False) is True
+
+    def start_load(self, store: ExpertStore) -> PendingLoad | None:
+        """Read the rows into ``store.buffer`` and return while the last chunks are still being checked.
+
+        The rows are read straight into the buffer in chunks of whole rows (integrity.read_hashed);
+        each chunk is hashed (XXH3-128, the file's digest) and its scales checked for NaN/Inf on a
+        second thread, overlapped with the next chunk's read and with whatever the caller does
+        until :meth:`PendingLoad.wait` (e.g. loading the dense weights). Only the scales can be
+        NaN: the packed integer weights cannot. Returns None when the file is absent, stale or
+        unreadable (nothing started). The buffer must not be used, or freed, before ``wait()``.
+        """
+        pending = self._read(store, overlap=True)
+        return pending if isinstance(pending, PendingLoad) else None
+
+    def _read(self, store: ExpertStore, overlap: bool):
+        """A PendingLoad (``overlap``), True/False (inline: verified or not), None (absent or stale)."""
+        from moespec.integrity import read_hashed, start_read_hashed
+
         if not self.path.is_file():
-            return False
+            return None
+        buf = store.buffer  # [M, E, P] uint8, contiguous
+        try:
+            found = self._data_range(buf)
+            if found is None:
+                return None
+            offset, want = found
+            rows = buf.view(-1, buf.shape[-1]).numpy()  # [M * E, P]
+            n, row_bytes = _scale_bytes(store.layout), buf.shape[-1]
+            hasher = new_hasher()
+            tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
+
+            def scales_ok(start: int, stop: int) -> bool:  # whole rows: chunks are multiples of a row
+                return _rows_finite(rows[start // row_bytes: stop // row_bytes], n)
+
+            per_chunk = max(1, CHUNK_BYTES // row_bytes) * row_bytes
+            with open(self.path, "rb", buffering=0) as fh:
+                if not overlap:
+                    return read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok) \
+                        and hasher.hexdigest() == want
+                return PendingLoad(start_read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok),
+                                   hasher, want)
+        except Exception:  # a damaged header (bad JSON, wrong types), an unreadable file: rebuild
+            return None
+
+    def _data_range(self, buf: torch.Tensor) -> tuple[int, str] | None:
+        """(byte offset of the rows in the file, the digest its header records), or None when the
+        header is not this cache's (settings, checkpoint, shape, dtype, size) or records no digest.
+
+        Parsed here rather than by safetensors: the file is then read without a mapping.
+        """
+        with open(self.path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000:
+                return None
+            header = json.loads(fh.read(n))
+        meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "null"))
+        want = meta.pop(DIGEST_KEY, None) if isinstance(meta, dict) else None
+        info = header.get(TENSOR, {})
+        start, stop = (int(v) for v in info.get("data_offsets", (0, -1)))
+        if (meta != self.meta or info.get("dtype") != "U8" or tuple(info.get("shape", ())) != tuple(buf.shape)
+                or stop - start != buf.numel() or self.path.stat().st_size != 8 + n + stop):
+            return None
+        if want is None:
+            return None  # written before checksums: cannot be verified, so rebuilt once
+        return 8 + n + start, want
+
+    def load_into_reference(self, store: ExpertStore) -> bool:
+        """:meth:`load_into` the slow, plain way (the test's reference): safetensors reads the whole
+        tensor, then the digest of the whole buffer and torch.isfinite of every scale."""
         from safetensors import safe_open
 
+        from moespec.integrity import tensors_digest
+
+        if not self.path.is_file():
+            return False
         try:
             with safe_open(str(self.path), framework="pt", device="cpu") as fh:
                 meta = json.loads((fh.metadata() or {}).get(META_KEY, "null"))
                 want = meta.pop(DIGEST_KEY, None) if isinstance(meta, dict) else None
-                rows = fh.get_slice(TENSOR)
-                shape, dtype = tuple(rows.get_shape()), rows.get_dtype()
-                if meta != self.meta or shape != tuple(store.buffer.shape) or dtype != "U8":
+                if meta != self.meta or want is None:
                     return False
-            if want is None:
-                return False  # written before checksums: cannot be verified, so rebuilt once
-            # Blocks of rows through a reopened mapping: a mapping keeps each page read resident
-            # (checkpoint.iter_tensors), so the whole file is never resident beside the store.
-            buf = store.buffer  # [M, E, P]
-            hasher = new_hasher()
-            tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
-            step = max(1, WINDOW_BYTES // buf.shape[2])  # rows per window
-            with MappingWindow(self.path) as window:
-                for m in range(buf.shape[0]):
-                    for e in range(0, buf.shape[1], step):
-                        block = buf[m, e : e + step]  # [<=step, P]
-                        block.copy_(window.handle().get_slice(TENSOR)[m, e : e + block.shape[0]])
-                        update(hasher, block)  # rows in file order: the digest of the whole tensor
-                        window.count(block.numel())
-        except Exception:  # safetensors raises its own errors for truncated/corrupt files: rebuild
+                rows = fh.get_tensor(TENSOR)
+            if rows.shape != store.buffer.shape or rows.dtype != torch.uint8:
+                return False
+            store.buffer.copy_(rows)
+        except Exception:
             return False
-        return hasher.hexdigest() == want and _scales_finite(store)
+        return tensors_digest({TENSOR: store.buffer}) == want and scales_finite_reference(store)
 
     def save(self, store: ExpertStore) -> str | None:
         """Write ``store.buffer`` atomically, with its data checksum.
@@ -142,26 +204,55 @@ class QuantStoreCache:
         return None
 
 
-def _scales_finite(store: ExpertStore) -> bool:
-    """True when every row's float16 scales (the first bytes of a QuantLayout row) are finite.
+class PendingLoad:
+    """A quantised store read into its buffer whose check may still be running (QuantStoreCache.start_load)."""
+
+    def __init__(self, read, hasher, want: str) -> None:
+        self._read, self._hasher, self._want = read, hasher, want
+        self._result: bool | None = None
+
+    def wait(self) -> bool:
+        """True when every row was read, its digest matches the file's and every scale is finite;
+        False otherwise (quantise again: the buffer holds damaged rows). Idempotent."""
+        if self._result is None:
+            try:
+                self._result = self._read.wait() and self._hasher.hexdigest() == self._want
+            except Exception:
+                self._result = False
+        return self._result
+
+
+def _scale_bytes(layout) -> int:
+    """Bytes of float16 scales at the start of every row of ``layout`` (a QuantLayout)."""
+    parts = layout.part_shapes()
+    return parts["gate_up_scales"][0] + parts["down_scales"][0]
+
+
+def _rows_finite(rows, n: int) -> bool:
+    """True when the float16 scales in the first ``n`` bytes of every row of ``rows`` ([R, P] uint8
+    numpy) are finite.
 
     A NaN scale would turn its whole group of weights into NaN; the checksum cannot catch one that
     was written (a checkpoint with NaN weights), so the rows are refused and quantised again. Tested
     on the bits: a float16 is NaN or infinite exactly when its exponent bits are all ones, i.e. its
-    bits without the sign are >= 0x7C00 (one integer max per layer, ~10x cheaper than torch's
-    float16 isfinite here; tests/test_integrity.py compares the two).
+    bit pattern is in 0x7C00..0x7FFF (positive) or 0xFC00..0xFFFF (negative). Read as int16 the
+    positive ones are the largest values, read as uint16 the negative ones are: two max reductions
+    over the scales in place, no temporary (tests/test_integrity_every_file.py compares this with
+    torch.isfinite over every kind of bit pattern).
     """
-    parts = store.layout.part_shapes()
-    n = parts["gate_up_scales"][0] + parts["down_scales"][0]  # bytes: scales first in every row
-    for m in range(store.buffer.shape[0]):
-        bits = store.buffer[m].numpy()[:, :n].view("<u2")  # [E, n / 2] float16 bit patterns
-        if bits.size and int((bits & 0x7FFF).max()) >= 0x7C00:
-            return False
-    return True
+    if not n or not len(rows):
+        return True
+    scales = rows[:, :n]  # [R, n] bytes: the scales lead every row
+    return int(scales.view("<i2").max()) < 0x7C00 and int(scales.view("<u2").max()) < 0xFC00
+
+
+def _scales_finite(store: ExpertStore) -> bool:
+    """True when every row's float16 scales in ``store.buffer`` are finite (:func:`_rows_finite`)."""
+    n = _scale_bytes(store.layout)
+    return all(_rows_finite(store.buffer[m].numpy(), n) for m in range(store.buffer.shape[0]))
 
 
 def scales_finite_reference(store: ExpertStore) -> bool:
     """:func:`_scales_finite` the slow, plain way (torch.isfinite on the float16 view): the test's reference."""
-    parts = store.layout.part_shapes()
-    n = parts["gate_up_scales"][0] + parts["down_scales"][0]
+    n = _scale_bytes(store.layout)
     return bool(torch.isfinite(store.buffer[..., :n].view(torch.float16)).all())
