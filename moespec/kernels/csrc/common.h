@@ -72,6 +72,21 @@ static inline void prefetch_rows(const uint8_t* codes, const uint16_t* scales, c
     for (i64 o = 0; o < n * G; o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
 }
 
+/* Streaming prefetch inside the column loop: each row's line PF_BYTES ahead in the row stream is
+ * requested as the kernel reaches the line before it, one request per 64 bytes consumed, so the
+ * misses in flight stay steady instead of bursting (a burst of 32-64 requests per row block fills
+ * the core's miss queue and the excess waits). */
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
+static inline i64 pf_ahead(i64 rb, i64 rows_per_block) {
+    const i64 blk = rb * rows_per_block;
+    return (PF_BYTES + blk - 1) / blk * blk;  /* whole row blocks ahead: the same columns of later rows */
+}
+static inline __attribute__((always_inline)) void pf_span(const uint8_t* p, i64 n) {
+    for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
 
 
