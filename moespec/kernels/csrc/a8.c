@@ -169,10 +169,9 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
               i64 ldy, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g;
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
-    const i64 rb = kind == KIND_Q4 ? C / 2 : C;
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
-        prefetch_rows(NULL, scales, zeros, 0, G, r + 8 * PF_BLOCKS, 8, r1);  /* codes: in the row loops */
+        prefetch_scales(scales, zeros, G, r + 8 * PF_BLOCKS, 8, r1);  /* codes: in the row loops */
         for (i64 t = 0; t < T; t++) {
             if (kind == KIND_Q4)
                 q4_a8_rows4(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);

@@ -55,17 +55,13 @@ static inline __m256 u8x8(const uint8_t* p) {
 
 static inline i64 group_len(i64 j, i64 g, i64 C) { return (j + 1) * g <= C ? g : C - j * g; }
 
-/* Prefetch rows [r, r + n) of a row-major [*, rb]-byte array, and their scales and zeros [*, G]:
- * the kernels call it for the block of rows PF_BLOCKS blocks ahead of the one they compute. Why: a
- * low-bit row is short (1 KiB at C = 2048, int4), so each one is a new stream for the hardware
- * prefetcher, and cold experts were read at a third of the memory read speed without it. */
+/* Prefetch the scales and zeros [*, G] of rows [r, r + n): the kernels call it for the block of
+ * rows PF_BLOCKS blocks ahead of the one they compute (a few lines per block; the codes are
+ * prefetched as they stream, below). */
 #define PF_BLOCKS 2
-static inline void prefetch_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 rb, i64 G,
-                                 i64 r, i64 n, i64 rows) {
+static inline void prefetch_scales(const uint16_t* scales, const uint8_t* zeros, i64 G, i64 r, i64 n, i64 rows) {
     if (r >= rows) return;
     if (r + n > rows) n = rows - r;
-    const char* p = (const char*)(codes + r * rb);
-    for (i64 o = 0; o < n * rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
     const char* s = (const char*)(scales + r * G);
     for (i64 o = 0; o < n * G * 2; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
     const char* z = (const char*)(zeros + r * G);

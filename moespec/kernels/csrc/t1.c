@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void lowbit_t1(const int bits, cons
     for (i64 r = r0; r < r1; r += 2) {
         const i64 r2 = r + 1 < r1 ? r + 1 : r;
         const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
-        prefetch_rows(NULL, scales, zeros, 0, G, r + 2 * PF_BLOCKS, 2, r1);
+        prefetch_scales(scales, zeros, G, r + 2 * PF_BLOCKS, 2, r1);
         const float z0 = row_prep(scales + r * G, zeros + r * G, NULL, xs, 0.0f, G, sv0);
         const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
