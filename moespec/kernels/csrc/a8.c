@@ -68,6 +68,7 @@ static inline __attribute__((always_inline)) void q4_a8_rows4_g(const int8_t* xq
     const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
     float sv[4][G];
+    const i64 ahead = pf_ahead(rb, 4);
     for (i64 r = r0; r < r1; r += 4) {
         i64 rr[4];
         const uint8_t* b[4];
@@ -84,6 +85,8 @@ static inline __attribute__((always_inline)) void q4_a8_rows4_g(const int8_t* xq
             __m256i s16[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                               _mm256_setzero_si256()};
             i64 k = k0;
+            if (((k0 / 2) & 63) == 0)  /* once per 64 bytes of each row (g / 2 <= 128) */
+                for (int i = 0; i < 4; i++) pf_span(b[i] + k0 / 2 + ahead, g / 2);
             for (; k + 32 <= k1; k += 32) {
                 const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
                 for (int i = 0; i < 4; i++) {
@@ -122,6 +125,7 @@ static inline __attribute__((always_inline)) void q8_a8_rows2_g(const int8_t* xq
     const __m256i bias = _mm256_set1_epi8((char)0x80);
     const float zoff = 128.0f;
     float sv0[G], sv1[G];
+    const i64 ahead = pf_ahead(rb, 2);
     for (i64 r = r0; r < r1; r += 2) {
         const i64 r2 = r + 1 < r1 ? r + 1 : r;
         const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
@@ -132,6 +136,8 @@ static inline __attribute__((always_inline)) void q8_a8_rows2_g(const int8_t* xq
             const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
             __m256i i0 = _mm256_setzero_si256(), i1 = i0;
             i64 k = k0;
+            pf_span(b0 + k0 + ahead, g);  /* g bytes of each row: g >= 32, so about once per line */
+            pf_span(b1 + k0 + ahead, g);
             for (; k + 32 <= k1; k += 32) {
                 const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
                 A8_Q8_32(b0 + k, i0);
@@ -163,10 +169,9 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
               i64 ldy, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g;
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
-    const i64 rb = kind == KIND_Q4 ? C / 2 : C;
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
-        prefetch_rows(codes, scales, zeros, rb, G, r + 8 * PF_BLOCKS, 8, r1);
+        prefetch_scales(scales, zeros, G, r + 8 * PF_BLOCKS, 8, r1);  /* codes: in the row loops */
         for (i64 t = 0; t < T; t++) {
             if (kind == KIND_Q4)
                 q4_a8_rows4(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);

@@ -55,21 +55,32 @@ static inline __m256 u8x8(const uint8_t* p) {
 
 static inline i64 group_len(i64 j, i64 g, i64 C) { return (j + 1) * g <= C ? g : C - j * g; }
 
-/* Prefetch rows [r, r + n) of a row-major [*, rb]-byte array, and their scales and zeros [*, G]:
- * the kernels call it for the block of rows PF_BLOCKS blocks ahead of the one they compute. Why: a
- * low-bit row is short (1 KiB at C = 2048, int4), so each one is a new stream for the hardware
- * prefetcher, and cold experts were read at a third of the memory read speed without it. */
+/* Prefetch the scales and zeros [*, G] of rows [r, r + n): the kernels call it for the block of
+ * rows PF_BLOCKS blocks ahead of the one they compute (a few lines per block; the codes are
+ * prefetched as they stream, below). */
 #define PF_BLOCKS 2
-static inline void prefetch_rows(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 rb, i64 G,
-                                 i64 r, i64 n, i64 rows) {
+static inline void prefetch_scales(const uint16_t* scales, const uint8_t* zeros, i64 G, i64 r, i64 n, i64 rows) {
     if (r >= rows) return;
     if (r + n > rows) n = rows - r;
-    const char* p = (const char*)(codes + r * rb);
-    for (i64 o = 0; o < n * rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
     const char* s = (const char*)(scales + r * G);
     for (i64 o = 0; o < n * G * 2; o += 64) _mm_prefetch(s + o, _MM_HINT_T0);
     const char* z = (const char*)(zeros + r * G);
     for (i64 o = 0; o < n * G; o += 64) _mm_prefetch(z + o, _MM_HINT_T0);
+}
+
+/* Streaming prefetch inside the column loop: each row's line PF_BYTES ahead in the row stream is
+ * requested as the kernel reaches the line before it, one request per 64 bytes consumed, so the
+ * misses in flight stay steady instead of bursting (a burst of 32-64 requests per row block fills
+ * the core's miss queue and the excess waits). */
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
+static inline i64 pf_ahead(i64 rb, i64 rows_per_block) {
+    const i64 blk = rb * rows_per_block;
+    return (PF_BYTES + blk - 1) / blk * blk;  /* whole row blocks ahead: the same columns of later rows */
+}
+static inline __attribute__((always_inline)) void pf_span(const uint8_t* p, i64 n) {
+    for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
