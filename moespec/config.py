@@ -127,6 +127,8 @@ class RuntimeConfig:
             dequantised, then quantised again); without it that is refused.
         on_miss: where a cache miss runs (``--on-miss``): fetched, on the host, or chosen per miss.
         host_threads: worker threads of the host expert pool (``--host-threads``); None = measured at load.
+        compile: the compiled dense path of decode steps (``--compile``, runtime/compile.py): "on",
+            "off", or "auto" (on for CUDA; off on CPU, where it measured no faster: README).
     """
 
     device: str = "cpu"
@@ -147,6 +149,7 @@ class RuntimeConfig:
     cache_policy: CachePolicy | None = None
     on_miss: OnMiss = OnMiss.FETCH
     host_threads: int | None = None
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
@@ -154,6 +157,8 @@ class RuntimeConfig:
                               "pass --host-threads 1 or more, or leave it out (measured at load)")
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the
         # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
+        if self.compile not in ("auto", "on", "off"):
+            raise OptionError(f"--compile {self.compile!r} is not valid", "choose one of: auto, on, off")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

@@ -41,7 +41,8 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          expert_dtype: str = "auto", estimator: Optional[str] = None,
                          group_size: Optional[int] = None, cache_policy: Optional[str] = None,
                          on_miss: str = "fetch", host_threads: Optional[int] = None,
-                         guard_rule: str = "budget", requantize: bool = False) -> RuntimeConfig:
+                         guard_rule: str = "budget", requantize: bool = False,
+                         compile_mode: str = "auto") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
@@ -64,7 +65,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         link_gbps=link_gbps, calibration_path=calibration,
         estimator_path=estimator or None, expert_dtype=expert_dtype, group_size=group_size, requantize=requantize,
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
-        on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
+        on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads, compile=compile_mode,
     )
 
 
