@@ -134,6 +134,8 @@ class RuntimeConfig:
             what fits beside the dense part.
         disk_reads: how the disk tier reads rows: "direct" (O_DIRECT reader pool) or "mmap" (the
             baseline: the store file mapped, rows faulted in through the page cache, no reader pool).
+        compile: the compiled dense path of decode steps (``--compile``, runtime/compile.py): "on",
+            "off", or "auto" (on for CUDA; off on CPU, where it measured no faster: README).
     """
 
     device: str = "cpu"
@@ -157,6 +159,7 @@ class RuntimeConfig:
     prediction_gate: bool = True
     host_memory_bytes: int | None = None
     disk_reads: str = "direct"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
@@ -164,6 +167,8 @@ class RuntimeConfig:
                               "pass --host-threads 1 or more, or leave it out (measured at load)")
         # --cache-experts below the minimum (0 included) is refused when the model is known, with the
         # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
+        if self.compile not in ("auto", "on", "off"):
+            raise OptionError(f"--compile {self.compile!r} is not valid", "choose one of: auto, on, off")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

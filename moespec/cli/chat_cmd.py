@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from moespec.cli.common import CompileOpt
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, Flag, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
@@ -81,6 +82,7 @@ def chat(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
     on_miss: str = OnMissOpt,
     host_threads: Optional[int] = HostThreads,
+    compile_mode: str = CompileOpt,
     seed: int = Seed,
     threads: Optional[int] = Threads,
 ) -> None:
@@ -99,7 +101,7 @@ def chat(
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
-        requantize=requantize,
+        requantize=requantize, compile_mode=compile_mode,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

@@ -259,3 +259,8 @@ def set_threads(threads: Optional[int]) -> None:
 def optional_str(value: Optional[str]) -> Optional[str]:
     """Typer passes "" for some empty options; treat it as unset."""
     return value or None
+
+CompileOpt = typer.Option("auto", "--compile",
+                          help="Decode steps' dense parts (attention, norms, lm_head) through torch.compile: "
+                               "on, off, or auto (on for CUDA, off on CPU where it measured no faster). The "
+                               "first start compiles (tens of seconds), later starts reuse inductor's cache.")

@@ -42,7 +42,8 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          group_size: Optional[int] = None, cache_policy: Optional[str] = None,
                          on_miss: str = "fetch", host_threads: Optional[int] = None,
                          guard_rule: str = "budget", requantize: bool = False,
-                         host_memory: Optional[str] = None) -> RuntimeConfig:
+                         host_memory: Optional[str] = None,
+                         compile_mode: str = "auto") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
@@ -68,6 +69,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
         on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
         host_memory_bytes=parse_bytes(host_memory, "--host-memory") if host_memory is not None else None,
+        compile=compile_mode,
     )
 
 

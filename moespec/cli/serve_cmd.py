@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from moespec.cli.common import CompileOpt
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
                                 ModelArg, Requantize,
@@ -96,6 +97,7 @@ def serve(
     cache_policy: Optional[str] = CachePolicyOpt,
     on_miss: str = OnMissOpt,
     host_threads: Optional[int] = HostThreads,
+    compile_mode: str = CompileOpt,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
     estimator: Optional[str] = EstimatorPath,
@@ -122,7 +124,7 @@ def serve(
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
         guard_rule=guard_rule,
-        requantize=requantize,
+        requantize=requantize, compile_mode=compile_mode,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,

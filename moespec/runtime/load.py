@@ -28,6 +28,7 @@ from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.disk_store import DiskStore, round_up
+from moespec.runtime.compile import apply_compile
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
@@ -262,6 +263,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         notes = [n for n in (note, unsaved, _kernel_note(device, cfg)) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
+        om.compiled = apply_compile(om, cfg.compile)
     except BaseException:
         if pending is not None:
             pending.wait()  # its thread reads the buffer: joined before the buffer is freed

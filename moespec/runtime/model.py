@@ -73,6 +73,7 @@ class OffloadedModel:
         notes: one-line notes for the user about how it was loaded (e.g. a cache policy fallback).
         planner: the miss planner and its host pool, made when a policy first runs misses on the host
             (``--on-miss host|auto``); None until then.
+        compiled: the compiled dense path (runtime/compile.py) when ``--compile`` put one in, else None.
     """
 
     model: nn.Module
@@ -87,6 +88,7 @@ class OffloadedModel:
     runtime_config: RuntimeConfig
     notes: list[str] = field(default_factory=list)
     planner: MissPlanner | None = None
+    compiled: object | None = None  # runtime.compile.CompiledDense when decode steps run compiled
 
     # --- what the MoE layers run with ------------------------------------------------------
     @property

@@ -1,0 +1,182 @@
+"""The compiled dense path: decode steps' dense segments through torch.compile, MoE dispatch eager.
+
+Shapes: H hidden, V vocabulary.
+
+A decode step (one token) runs, per decoder layer, the input norm, the attention with its KV cache
+update, the residual add and the router-input norm as ONE compiled graph; the MoE block (router,
+host read, expert cache, shared expert: the layer runner, runtime/layer) stays eager behind
+``torch.compiler.disable``, the one graph break per layer the host dispatch needs. The final norm
+and lm_head are a second compiled graph. Prefills (more than one token) run eager: their length
+changes every call, and one prefill per turn does not pay for a compile per length.
+
+Inductor on CPU (C++ kernels; needs a C++ compiler), CUDA graphs on CUDA are not used yet (the
+graphs are split by the host dispatch). Compiled artefacts go to inductor's caches (FX graph and
+AOT caches, on disk under ``TORCHINDUCTOR_CACHE_DIR``), so a second start reuses them.
+
+Eager is the reference: ``--compile off`` runs the same model instance uncompiled, and the tests
+compare logits (within 1e-5 in float32) and greedy tokens over a multi-turn conversation.
+
+Where compiling fails (no C++ compiler, an op inductor refuses), the first compiled call falls back
+to eager for good and leaves a one-line note; it never raises (``CompiledDense.failure``).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import torch
+from torch import nn
+
+from moespec.runtime.model import OffloadedMoeBlock, OffloadedModel
+
+# Why: the decoder layers share one code object (their forward); dynamo keys guards on it, so the
+# default limit of 8 entries would send every later layer back to eager.
+_RECOMPILE_LIMIT = 256
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why inductor cannot compile here, in one line, or None. CPU needs a C++ compiler on PATH."""
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++) on PATH: decoding eager (install g++ or pass --compile off)"
+    return None
+
+
+class CompiledDense:
+    """The compiled decode segments of one OffloadedModel; ``install`` wraps the model's modules.
+
+    Attributes:
+        failure: one-line note when compiling failed (the model then runs eager), else None.
+        calls: compiled segment calls so far (tests check the compiled path actually ran).
+    """
+
+    def __init__(self, om: OffloadedModel) -> None:
+        self.om = om
+        self.failure: str | None = None
+        self.calls = 0
+        self._undo: list[tuple[nn.Module, str, object]] = []
+
+    def install(self) -> None:
+        """Wrap every decoder layer, the final norm and lm_head for decode steps; disable tracing of
+        the MoE blocks. Idempotent per instance (``uninstall`` restores the originals)."""
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
+        if hasattr(dynamo_config, "recompile_limit"):
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+        if hasattr(dynamo_config, "accumulated_recompile_limit"):
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+        model = self.om.model
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, OffloadedMoeBlock):
+                self._wrap_moe_layer(layer)
+            else:  # a dense layer (DeepSeek's first layers): compiled whole
+                self._wrap(layer, layer.forward)
+        self._wrap(model.model.norm, model.model.norm.forward)
+        self._wrap(model.lm_head, model.lm_head.forward)
+
+    def uninstall(self) -> None:
+        """Restore the eager modules (the reference path on the same instance)."""
+        for module, name, before in reversed(self._undo):
+            if before is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, before)
+        self._undo.clear()
+
+    def _set(self, module: nn.Module, name: str, value) -> None:
+        self._undo.append((module, name, module.__dict__.get(name)))
+        setattr(module, name, value)
+
+    def _wrap_moe_layer(self, layer: nn.Module) -> None:
+        """The MoE decoder layer's decode step as: compiled segment (input norm, attention with its
+        KV cache update, residual add, router-input norm), eager MoE block, eager residual add; the
+        same operations in the same order as the layer's own forward (every family's is alike)."""
+
+        def dense_part(hidden_states, **kwargs):
+            residual = hidden_states
+            x, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+            h = residual + x  # [1, 1, H]
+            return h, layer.post_attention_layernorm(h)
+
+        segment = self._compiled(dense_part)
+
+        def decode_step(hidden_states, **kwargs):
+            h, s = segment(hidden_states, **kwargs)
+            out = layer.mlp(s)  # the host dispatch: the one graph break
+            return h + (out[0] if isinstance(out, tuple) else out)  # GPT-OSS: (output, None)
+
+        self._wrap(layer, layer.forward, decode_step)
+
+    def _compiled(self, fn):
+        """``fn`` through inductor; on a compiler failure one note, then ``fn`` eager for good."""
+        compiled = torch.compile(_own_code(fn, len(self._undo)), backend="inductor", dynamic=None)
+
+        def run(*args, **kwargs):
+            if self.failure is None:
+                try:
+                    out = compiled(*args, **kwargs)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as err:  # noqa: BLE001  (any compiler failure: one note, then eager)
+                    self.failure = _one_line(err)
+                    self.om.notes.append(f"compile failed ({self.failure}): decoding eager")
+                else:
+                    self.calls += 1
+                    return out
+            return fn(*args, **kwargs)
+
+        return run
+
+    def _wrap(self, module: nn.Module, eager, decode=None) -> None:
+        """``module.forward``: ``decode`` (default: ``eager`` compiled) for one token, else ``eager``."""
+        decode = decode or self._compiled(eager)
+
+        @functools.wraps(eager)
+        def forward(hidden_states, *args, **kwargs):
+            if hidden_states.shape[-2] != 1 or self.failure is not None:
+                return eager(hidden_states, *args, **kwargs)
+            return decode(hidden_states, *args, **kwargs)
+
+        self._set(module, "forward", forward)
+
+
+def _own_code(fn, tag: int):
+    """``fn`` behind a function with its own code object. Why: dynamo keeps its compiled entries
+    per code object and checks them in turn; the decoder layers share one forward, so 30 layers
+    would walk up to 60 guard sets per call. One code object per module keeps it to one or two."""
+
+    def segment(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    segment.__code__ = segment.__code__.replace(co_name=f"segment_{tag}", co_firstlineno=1000 + tag)
+    return segment
+
+
+def _one_line(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:120]
+
+
+def resolve_compile(mode: str, device: torch.device) -> bool:
+    """``--compile`` auto|on|off -> compile or not. auto: on for CUDA (launch overhead per op is
+    what the graphs remove); off on CPU, where the compiled path measured no faster than eager on
+    the default model (scripts/decode_floor.py, README) and a first start pays tens of seconds."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def apply_compile(om: OffloadedModel, mode: str) -> CompiledDense | None:
+    """``compile_dense(om)`` when ``mode`` (``--compile``) resolves to on for om's device, else None."""
+    return compile_dense(om) if resolve_compile(mode, om.device) else None
+
+
+def compile_dense(om: OffloadedModel) -> CompiledDense | None:
+    """Install the compiled decode path on ``om`` (module docstring); returns it, or None with a
+    one-line note in ``om.notes`` when this machine cannot compile (no C++ compiler)."""
+    missing = compiler_missing(om.device)
+    if missing is not None:
+        om.notes.append(missing)
+        return None
+    dense = CompiledDense(om)
+    dense.install()
+    return dense
