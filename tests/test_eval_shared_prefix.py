@@ -12,7 +12,7 @@ import pytest
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.eval.score import DecodeScorer, PrefillScorer
-from moespec.eval.shared_prefix import SharedPrefixScorer, common_length, scorer_for
+from moespec.eval.shared_prefix import SharedPrefixScorer, scorer_for
 from moespec.runtime.engine import Engine
 from moespec.runtime.load import load_offloaded
 
@@ -75,4 +75,3 @@ def test_scorer_for_keeps_the_reference_where_residency_matters(tiny_models):
     assert type(scorer_for(engine, ExecuteMode.EXACT, "decode")) is SharedPrefixScorer
     assert type(scorer_for(engine, ExecuteMode.SPECULATIVE)) is SharedPrefixScorer
     assert type(scorer_for(engine, ExecuteMode.GUARDED)) is DecodeScorer
-    assert common_length([1, 2, 3], [1, 2, 4, 5]) == 2 and common_length([], [1]) == 0

@@ -21,20 +21,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from moespec.config import ExecuteMode
-from moespec.eval.score import ChoiceScore, DecodeScorer, PrefillScorer, shared_length
-
-
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from moespec.eval.score import ChoiceScore, DecodeScorer, PrefillScorer, shared_length, summed
+from moespec.runtime.engine import common_prefix
 
 
 class SharedPrefixScorer(DecodeScorer):
@@ -61,7 +50,7 @@ class SharedPrefixScorer(DecodeScorer):
         out: list[ChoiceScore | None] = [None] * len(pairs)
         for i in sorted(range(len(pairs)), key=lambda j: fulls[j][n:]):  # neighbours share the most
             inputs = fulls[i][n:-1]  # the tokens this choice decodes (its last one is only scored)
-            k = common_length(path, inputs)
+            k = common_prefix(path, inputs)
             if k < len(path):
                 if self.engine.truncate(n + k):
                     del path[k:], rows[k + 1:]
@@ -71,20 +60,9 @@ class SharedPrefixScorer(DecodeScorer):
                 rows.append(self.engine.forward([tok], "decode"))
                 path.append(tok)
                 self.decode_steps += 1
-            out[i] = _summed(rows, fulls[i], len(pairs[i][0]), n)
+            out[i] = summed(rows, fulls[i], len(pairs[i][0]), n)  # DecodeScorer's float sum
         self.engine.truncate(self._exact_prefix(n))
         return out  # type: ignore[return-value]
-
-
-def _summed(rows: list[torch.Tensor], full: list[int], ctx_len: int, start: int) -> ChoiceScore:
-    """Σ log p(full[pos]) over pos >= ctx_len from rows[pos - start] [V], in DecodeScorer's order
-    (the same float sum, not only the same terms)."""
-    total, greedy = 0.0, True
-    for pos in range(max(start, ctx_len), len(full)):
-        logits = rows[pos - start]
-        total += float(torch.log_softmax(logits, dim=-1)[full[pos]])
-        greedy = greedy and int(torch.argmax(logits)) == full[pos]
-    return ChoiceScore(total, greedy)
 
 
 def scorer_for(engine, execute: ExecuteMode, exact_path: str = "prefill") -> DecodeScorer:
