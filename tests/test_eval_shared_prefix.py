@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+from test_eval_score import CTX, FAMILIES, folder_of  # noqa: F401  (folder_of: a fixture)
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.eval.score import DecodeScorer, PrefillScorer
@@ -16,17 +17,9 @@ from moespec.eval.shared_prefix import SharedPrefixScorer, scorer_for
 from moespec.runtime.engine import Engine
 from moespec.runtime.load import load_offloaded
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "gpt_oss_mxfp4", "deepseek_v2",
-            "deepseek_v3", "glm4_moe_lite"]
-CTX = [5, 17, 99, 3, 200, 41, 7, 88, 120, 9]
 # choices 0, 2 and 3 share [31, 77] / [31]; 1 and 4 share [64, 2]; order chosen so neighbours differ
 TREE = [(CTX, [31, 77, 12, 5]), (CTX, [64, 2, 250]), (CTX, [31, 77, 40]), (CTX, [31]), (CTX, [64, 2])]
 SPLIT = [(CTX[:6] + [11, 12], [90, 91, 92]), (CTX[:6] + [13], [90, 91, 92]), (CTX[:6] + [11, 12], [90, 91])]
-
-
-@pytest.fixture
-def folder_of(tiny_models, adapter_models):
-    return lambda family: {**tiny_models, **adapter_models}[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
