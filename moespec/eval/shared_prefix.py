@@ -11,7 +11,8 @@ SciQ 4.2 -> 3.9; BoolQ and WinoGrande share nothing past their contexts).
 
 It equals ``DecodeScorer`` only where a decode step's output depends on nothing but the cached
 keys/values and its token: ``exact`` and ``speculative`` (a speculated expert that is not resident is
-fetched; residency changes timing, never the output). In ``guarded`` mode the resident experts
+fetched; residency changes timing, never the output; with ``--on-miss host|auto`` where a miss
+runs is a timed choice in either scorer). In ``guarded`` mode the resident experts
 decide what a light miss runs, and decoding fewer tokens changes what is resident, so guarded
 arms keep ``DecodeScorer`` (``scorer_for``). Tested against ``DecodeScorer`` within 1e-5 (float32) on
 every architecture's tiny model.
