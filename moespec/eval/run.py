@@ -19,7 +19,8 @@ from moespec.eval.arms import Arm, cold_start, use_arm
 from moespec.eval.data import ChoiceItem, GenerateItem, TaskData
 from moespec.eval.metrics import choice_metrics, generate_metrics
 from moespec.eval.results import ArmResults
-from moespec.eval.score import DecodeScorer, PrefillScorer, encode, encode_pair
+from moespec.eval.score import DecodeScorer, encode, encode_pair
+from moespec.eval.shared_prefix import scorer_for
 
 # lm-eval's default generation limit (HFLM max_gen_toks); a task's own smaller limit wins.
 DEFAULT_MAX_GEN_TOKS = 256
@@ -124,8 +125,7 @@ def run_arm(opened, arm: Arm, predictor, tasks: list[TaskData], results: ArmResu
     (also when interrupted)."""
     om = opened.engine.om
     use_arm(om, arm, predictor)
-    fast = arm.execute == ExecuteMode.EXACT and cfg.exact_path == "prefill"
-    scorer = (PrefillScorer if fast else DecodeScorer)(opened.engine)
+    scorer = scorer_for(opened.engine, arm.execute, cfg.exact_path)
     try:
         for task in tasks:
             done = results.records(task.name, task.sha256)

@@ -161,12 +161,18 @@ class PrefillScorer(DecodeScorer):
         rows = [logits]  # row j predicts full[start + j]
         if len(full) - 1 > start:
             rows.extend(self.engine.forward(full[start:-1], "prefill", all_logits=True).unbind(0))  # [T, V]
-        total, greedy = 0.0, True
-        for pos in range(max(start, ctx_len), len(full)):
-            row = rows[pos - start]
-            total += float(torch.log_softmax(row, dim=-1)[full[pos]])
-            greedy = greedy and int(torch.argmax(row)) == full[pos]
-        return ChoiceScore(total, greedy)
+        return summed(rows, full, ctx_len, start)
+
+
+def summed(rows: Sequence[torch.Tensor], full: list[int], ctx_len: int, start: int) -> ChoiceScore:
+    """Σ log p(full[pos]) over positions pos >= ctx_len, each from rows[pos - start] (logits [V]
+    predicting full[pos]), summed in position order; greedy when every one is the row's argmax."""
+    total, greedy = 0.0, True
+    for pos in range(max(start, ctx_len), len(full)):
+        row = rows[pos - start]
+        total += float(torch.log_softmax(row, dim=-1)[full[pos]])
+        greedy = greedy and int(torch.argmax(row)) == full[pos]
+    return ChoiceScore(total, greedy)
 
 
 def prefill_logprob(engine, ctx: list[int], cont: list[int]) -> ChoiceScore:

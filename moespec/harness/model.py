@@ -26,7 +26,8 @@ from lm_eval.api.registry import register_model
 
 from moespec.errors import OptionError
 from moespec.eval.arms import cold_start
-from moespec.eval.score import DecodeScorer, PrefillScorer, encode, encode_pair, prefix_token_id
+from moespec.eval.score import encode, encode_pair, prefix_token_id
+from moespec.eval.shared_prefix import scorer_for
 
 # model_args -> build_runtime_config keywords (lm-eval passes batch_size / max_batch_size / device too)
 RUNTIME_ARGS = ("device", "dtype", "gpu_memory", "cache_experts", "execute", "predictor", "fetch_threshold",
@@ -69,8 +70,7 @@ class MoespecLM(TemplateLM):
         self.engine = self.opened.engine
         if exact_path not in ("prefill", "decode"):
             raise OptionError(f"model_args: exact_path {exact_path!r} is not valid", "choose one of: prefill, decode")
-        fast = cfg.execute == ExecuteMode.EXACT and exact_path == "prefill"  # equal to decode in exact mode
-        self.scorer = (PrefillScorer if fast else DecodeScorer)(self.engine)
+        self.scorer = scorer_for(self.engine, cfg.execute, exact_path)  # exact's prefill path equals decode
         self.max_gen_toks = int(max_gen_toks)
 
     @property
