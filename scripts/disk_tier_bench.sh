@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The disk tier's paired arms on one model, each in its own process under a memory cgroup cap,
 # the page cache dropped before each (README, "Experts on disk"). Run it under the exclusive lock:
-#   /work/coord/cpulock exclusive scripts/disk_tier_bench.sh /tmp/q30 2G 1GiB 2
+#   scripts/disk_tier_bench.sh /tmp/q30 2G 1GiB 2
 # Arms per round: the reader alone with 8 reads in flight (the disk floor's GB/s), then decode with
 # the router predictor, then on-demand reads (--predictor none), at the same --host-memory and cap,
 # then the mmap baseline (rows through the page cache, no prediction).

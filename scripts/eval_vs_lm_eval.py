@@ -1,6 +1,6 @@
 """Exact-mode `moespec eval` against lm-evaluation-harness's own `hf` model, item by item, offline.
 
-    python scripts/eval_vs_lm_eval.py --results /work/homes/me/eval-table --tasks arc_easy,boolq,sciq --limit 40
+    python scripts/eval_vs_lm_eval.py --results ~/eval-table --tasks arc_easy,boolq,sciq --limit 40
 
 Writes the vendored multiple-choice items as local lm-eval tasks (tests/lm_eval_tasks.py: the same
 context and continuation strings, lm-eval's default target delimiter), runs lm-eval's `hf` model on the
