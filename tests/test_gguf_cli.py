@@ -44,6 +44,10 @@ def test_download_one_quant_then_models_and_chat(files, monkeypatch, tmp_path):
     assert row["model_type"] == "qwen3_moe" and row["expert_format"] == "gguf Q8_0/Q8_0/Q8_0" and row["runnable"]
     assert row["quant"] == "Q8_0"
     assert row["expert_bytes"] == 3 * 64 * 64 // 32 * 34  # gate + up + down rows of Q8_0 blocks
+    # from disk: the dense part, 2K rows of the RAM tier in 4 KiB pages (a 13,056-byte row: 16 KiB), headroom
+    from moespec.hub.sizes import HOST_HEADROOM_BYTES
+
+    assert row["from_disk_min_ram_bytes"] == row["dense_bytes"] + 2 * 2 * 16384 + HOST_HEADROOM_BYTES
     table = _run("models").output
     assert "tiny/Tiny-GGUF:Q8_0" in table and "qwen3_moe Q8_0" in table
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -88,6 +88,15 @@ class GgufSizes:
     def zero_cache_h2d_bytes_per_token(self) -> int:
         return self.top_k * (sum(self.layer_bytes) or self.moe_layers * self.expert_bytes)
 
+    @property
+    def from_disk_min_ram_bytes(self) -> int:
+        from moespec.hub.sizes import from_disk_min_ram
+
+        return from_disk_min_ram(self.dense_bytes, self.top_k, self.expert_bytes)
+
+    def runs_from_disk(self, available_ram: int) -> bool:
+        return self.host_ram_cpu_bytes > available_ram
+
 
 def gguf_sizes(ck, config: dict) -> GgufSizes:
     """Sizes of the GGUF model ``ck`` (a GgufCheckpoint) whose transformers config is ``config``."""

@@ -145,10 +145,8 @@ class ModelSizes:
 
     @property
     def from_disk_min_ram_bytes(self) -> int:
-        """Host RAM a CPU run with the experts on disk needs at least (runtime/disk_tier.py): the dense part,
-        2K expert rows of the RAM tier (each rounded up to 4 KiB) and the headroom. Its disk: experts_bytes."""
-        row = -(-self.expert_bytes // 4096) * 4096
-        return self.dense_bytes + 2 * self.params.top_k * row + HOST_HEADROOM_BYTES
+        """Host RAM a CPU run with the experts on disk needs at least: :func:`from_disk_min_ram`."""
+        return from_disk_min_ram(self.dense_bytes, self.params.top_k, self.expert_bytes)
 
     def runs_from_disk(self, available_ram: int) -> bool:
         """True when a CPU run keeps the experts on disk on a host with ``available_ram`` bytes free."""
@@ -352,3 +350,11 @@ def with_expert_dtype(sizes: ModelSizes, expert_dtype: str, group_size: int | No
     if expert_dtype not in QUANT_BITS or sizes.model_type == "gpt_oss" or not isinstance(sizes, ModelSizes):
         return sizes
     return replace(sizes, expert_format=expert_dtype, group_size=_group(group_size))
+
+
+def from_disk_min_ram(dense_bytes: int, top_k: int, expert_bytes: int) -> int:
+    """Host RAM (bytes) a CPU run with the experts on disk needs at least (runtime/disk_tier.py): the
+    dense part, 2K expert rows of the RAM tier (each rounded up to 4 KiB, O_DIRECT's alignment) and
+    the headroom. Its disk: all the experts' bytes (the store file)."""
+    row = -(-expert_bytes // 4096) * 4096
+    return dense_bytes + 2 * top_k * row + HOST_HEADROOM_BYTES
