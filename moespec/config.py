@@ -169,6 +169,8 @@ class RuntimeConfig:
         # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
         if self.compile not in ("auto", "on", "off"):
             raise OptionError(f"--compile {self.compile!r} is not valid", "choose one of: auto, on, off")
+        if self.disk_reads not in ("direct", "mmap"):  # any other text would silently read direct
+            raise OptionError(f"disk_reads {self.disk_reads!r} is not valid", "choose one of: direct, mmap")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise OptionError(f"--link-gbps {self.link_gbps} must be positive")
         if self.fetch_threshold < 0:

@@ -329,3 +329,10 @@ def test_rows_start_where_open_looks_for_them_whatever_the_header_length(tmp_pat
         raw = store.path.read_bytes()[last.offset:][:ROW]
         assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32),
                            torch.arange((experts - 1) * ROW // 4, experts * ROW // 4, dtype=torch.float32))
+
+
+def test_disk_reads_is_direct_or_mmap():
+    from moespec.errors import OptionError
+
+    with pytest.raises(OptionError, match="disk_reads 'mapped'"):
+        RuntimeConfig(disk_reads="mapped")

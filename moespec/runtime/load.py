@@ -210,9 +210,10 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     store_bytes = ExpertStore.bytes_needed(len(moe_layers), adapter.num_experts(), layout, dtype)
     expert_bytes = store_bytes // max(len(moe_layers) * adapter.num_experts(), 1)
     # Both budgets are checked before anything is allocated or pinned.
-    on_disk = disk_tier.wanted(cfg, device, host_bytes_needed(model, store_bytes, device))
+    needed = host_bytes_needed(model, store_bytes, device)
+    on_disk = disk_tier.wanted(cfg, device, needed)
     if on_disk:  # the RAM tier is the cache: its rows come from --host-memory (disk_tier.ram_slots)
-        dense = host_bytes_needed(model, 0, device)
+        dense = needed - store_bytes  # the dense weights that stay in host RAM
         stride = round_up(expert_bytes)  # a row's bytes in the file and in a RAM slot (O_DIRECT alignment)
         slots = disk_tier.ram_slots(cfg, adapter.top_k(), len(moe_layers) * adapter.num_experts(), stride, dense)
     else:
@@ -226,7 +227,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         if cfg.disk_reads == "mmap":  # the baseline (README, "Experts on disk"): the page cache as cache
             store = store.mapped()
     else:
-        check_host_memory(host_bytes_needed(model, store_bytes, device), f"{path.name} (experts in host RAM)")
+        check_host_memory(needed, f"{path.name} (experts in host RAM)")
         store = ExpertStore(moe_layers, adapter.num_experts(), layout, dtype, pin=device.type == "cuda", device=device)
     engine = om = pending = None
     try:  # whatever fails from here (a corrupt file, a stale calibration) unpins what was pinned
