@@ -76,6 +76,13 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return ctx, cont
 
 
+def decode_prefix(pairs: Sequence[tuple[list[int], list[int]]]) -> list[int]:
+    """The tokens ``DecodeScorer`` prefills for an item: the shared context less its last token
+    ([] when the choices share no first token, or only one)."""
+    n = shared_length(pairs)
+    return list(pairs[0][0][: n - 1]) if n > 1 else []
+
+
 def shared_length(pairs: Sequence[tuple[list[int], list[int]]]) -> int:
     """Tokens every choice's context starts with: the common prefix of the contexts + continuations,
     at most the shortest context (a continuation token is always scored from a decode step)."""
@@ -122,10 +129,16 @@ class DecodeScorer:
         return n - 1
 
     def _context(self, ids: list[int]) -> torch.Tensor:
-        """Prefill ``ids`` less its last token, decode that one; its logits [V] score every choice's first token."""
+        """Prefill ``ids`` less its last token, decode that one; its logits [V] score every choice's first token.
+
+        The prefill is skipped when the KV cache holds exactly those tokens already (another arm of
+        the same item prefilled them: eval/run.py); they came from a prefill either way, which is
+        exact in every mode.
+        """
         if len(ids) > 1:
-            self.engine.prefill(ids[:-1])
-            self.prefills += 1
+            if self.engine.cached_ids != ids[:-1]:
+                self.engine.prefill(ids[:-1])
+                self.prefills += 1
         else:
             self.engine.reset()
         return self.engine.forward(ids[-1:], "decode")
