@@ -79,3 +79,28 @@ def test_residency_matters():
     assert residency_matters(GUARD, OnMiss.FETCH)
     assert not residency_matters(SPEC, OnMiss.FETCH) and not residency_matters(EXACT, OnMiss.FETCH)
     assert residency_matters(SPEC, OnMiss.AUTO) and residency_matters(EXACT, OnMiss.HOST)
+
+
+def test_prefill_exact_never_runs_one_token(tiny_models):
+    """A one-token prefill would run the decode path, where speculation acts; prefill_exact runs two."""
+    from moespec.eval.score import prefill_exact
+    from moespec.runtime.engine import Engine
+    from moespec.runtime.load import load_offloaded
+
+    ids = [5, 9, 14, 3, 22, 7, 11, 30]
+    om = load_offloaded(tiny_models["qwen3_moe"], RuntimeConfig(cache_experts=5, predictor=Predictor.ROUTER,
+                                                                 execute=ExecuteMode.SPECULATIVE))
+    try:
+        engine = Engine(om)
+        calls = []
+        forward = engine.forward
+        engine.forward = lambda i, kind, *a, **k: calls.append(len(i)) or forward(i, kind, *a, **k)
+        engine.prefill(ids[:-1])
+        got = prefill_exact(engine, ids)  # all but one cached
+        again = prefill_exact(engine, ids)  # all cached
+        engine.reset()
+        want = engine.prefill(ids)
+    finally:
+        om.close()
+    assert calls == [7, 2, 2, 8]
+    assert (got - want).abs().max() < 1e-5 and (again - want).abs().max() < 1e-5

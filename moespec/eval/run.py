@@ -19,7 +19,7 @@ from moespec.eval.arms import Arm, cold_start, use_arm
 from moespec.eval.data import ChoiceItem, GenerateItem, TaskData
 from moespec.eval.metrics import choice_metrics, generate_metrics
 from moespec.eval.results import ArmResults
-from moespec.eval.score import DecodeScorer, PrefillScorer, decode_prefix, encode, encode_pair
+from moespec.eval.score import DecodeScorer, PrefillScorer, decode_prefix, encode, encode_pair, leave_two
 from moespec.eval.shared_prefix import scorer_for
 from moespec.runtime.engine import common_prefix
 
@@ -81,6 +81,7 @@ def generate_text(engine, tokenizer, context: str, stops: tuple[str, ...], max_g
     Afterwards the KV cache holds only the prompt (prefilled, exact in every mode).
     """
     ids = encode(tokenizer, context)
+    leave_two(engine, ids)  # the prompt's last positions from an exact prefill, not a decode step
     # A stop string that appears ends in the newest token and spans at most 4 bytes (tokens) per
     # character: decoding that tail each step finds it without decoding the whole text again.
     tail = 4 * max((len(s) for s in stops), default=0) + 2
