@@ -104,3 +104,13 @@ def test_prefill_exact_never_runs_one_token(tiny_models):
         om.close()
     assert calls == [7, 2, 2, 8]
     assert (got - want).abs().max() < 1e-5 and (again - want).abs().max() < 1e-5
+
+
+def test_a_generation_prompt_is_prefilled_once(tiny_models, task_dir, tmp_path):  # noqa: F811
+    sums = [load_task("sums", task_dir / "sums.jsonl")]
+    model = tiny_models["qwen3_moe"]
+    _, alone = _evaluate(model, sums, [SPEC], tmp_path / "a", item_major=True)
+    _, two = _evaluate(model, sums, [SPEC, SPEC_NONE], tmp_path / "b", item_major=True)
+    firsts = [c for c in alone if c[0] == "prefill"]
+    assert len(firsts) == 2  # one per item
+    assert [c for c in two if c[0] == "prefill"] == [c for p in firsts for c in (p, ("prefill", 2))]

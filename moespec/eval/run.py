@@ -173,8 +173,9 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
     keys/values cached (DecodeScorer._context). The first arm is one whose outputs depend on residency
     (``residency_matters``) if any, so it sees the cache exactly as an arm run alone would; any later
     such arm starts again from an empty cache and the same cached prefix. The exact prefill-path arm
-    runs its own context forward from that prefix, as it does alone. A generation item runs per arm
-    from an empty cache and the prompt prefix the item before left (as an arm run alone would).
+    runs its own context forward from that prefix, as it does alone. A generation item's prompt is
+    prefilled likewise once (the next arms re-run only its last two tokens, leave_two: its last
+    logits come from a prefill, as alone), and each arm generates from there.
     Each arm's record goes to its results; ``steps[arm name]`` advances its progress.
     """
     om, engine, tokenizer = opened.engine.om, opened.engine, opened.tokenizer
@@ -189,10 +190,10 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
     for i, run in enumerate(runs):
         t0 = time.perf_counter()
         use_arm(om, run.arm, run.predictor)
-        alone = i == 0 or pairs is None or residency_matters(run.arm, on_miss)  # state as if run alone
+        alone = i == 0 or residency_matters(run.arm, on_miss)  # the cache as if it ran alone
         if alone:
             cold_start(om)
-        if (alone and i > 0) or isinstance(run.scorer, PrefillScorer):
+        if (alone and i > 0) or (pairs is not None and isinstance(run.scorer, PrefillScorer)):
             engine.truncate(keep)  # its own prefill, from the prefix an arm alone would find cached
         if pairs is None:
             record = generate_record(engine, tokenizer, item, cfg.max_gen_toks, stop_ids)
