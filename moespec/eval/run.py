@@ -173,7 +173,8 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
     keys/values cached (DecodeScorer._context). The first arm is one whose outputs depend on residency
     (``residency_matters``) if any, so it sees the cache exactly as an arm run alone would; any later
     such arm starts again from an empty cache and the same cached prefix. The exact prefill-path arm
-    runs its own context forward from that prefix, as it does alone. A generation item's prompt is
+    goes last and prefills only the context's last two tokens (score.prefill_exact: its logits come
+    from a prefill, as alone; equal within float rounding). A generation item's prompt is
     prefilled likewise once (the next arms re-run only its last two tokens, leave_two: its last
     logits come from a prefill, as alone), and each arm generates from there.
     Each arm's record goes to its results; ``steps[arm name]`` advances its progress.
@@ -193,7 +194,7 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
         alone = i == 0 or residency_matters(run.arm, on_miss)  # the cache as if it ran alone
         if alone:
             cold_start(om)
-        if (alone and i > 0) or (pairs is not None and isinstance(run.scorer, PrefillScorer)):
+        if alone and i > 0:
             engine.truncate(keep)  # its own prefill, from the prefix an arm alone would find cached
         if pairs is None:
             record = generate_record(engine, tokenizer, item, cfg.max_gen_toks, stop_ids)
