@@ -258,7 +258,8 @@ def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
 
     Exact records depend only on the model, its dtypes, the scoring path and the generation limit; the other arms also
     on the predictor, τ, the guard rule and the cache (what is resident decides what a guarded token
-    skips).
+    skips), and on ``contexts``: "exact" since no cached context position comes from a one-token
+    forward (score.prefill_exact; files made before lack it and are refused).
     """
     from moespec.artifacts import model_key
     from moespec.predict.calibration_file import config_hash
@@ -272,7 +273,7 @@ def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
     else:
         key.update(predictor=arm.predictor.value, fetch_threshold=arm.threshold, guard_rule=rcfg.guard_rule.value,
                    cache_slots=om.cache.num_slots, cache_policy=om.cache.policy.value,
-                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path)
+                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path, contexts="exact")
     return key
 
 
