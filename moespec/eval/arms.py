@@ -62,7 +62,9 @@ def use_arm(om, arm: Arm, predictor) -> None:
 
 
 def cold_start(om) -> None:
-    """Before each item: no prefetch pins, an empty expert cache whose eviction rule starts from its seed
+    """Before each item: no prefetch pins, an empty expert cache whose eviction rule starts from its seed,
+    and the policy applied again, so the prediction gate (runtime/layer/gate.py) forgets what it measured
     (an item's score then does not depend on the items before it, so a resumed run equals a whole one)."""
     om.reset_step()
     om.cache.clear()
+    om.use_policy(om.policy)

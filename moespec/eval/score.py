@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 
+from moespec.runtime.engine import common_prefix
+
 
 @dataclass(frozen=True)
 class ChoiceScore:
@@ -74,6 +76,32 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if not cont:
         raise ValueError(f"the continuation {continuation!r} encodes to no token")
     return ctx, cont
+
+
+def prefill_exact(engine, ids: list[int]) -> torch.Tensor:
+    """``engine.prefill(ids)`` (logits [V] at the last position) with at least two tokens in the forward.
+
+    A forward of ONE token runs the runner's decode path, where speculative and guarded modes act: the
+    position it caches would not be exact, yet every later item and arm reuses cached positions as
+    exact (a WinoGrande twin sharing all but the last token of the item before's context did so).
+    So when all but one of ``ids`` (or all) are cached, the cache is cut back to leave two to run.
+    A one-token ``ids`` still runs alone.
+    """
+    leave_two(engine, ids)
+    return engine.prefill(ids)
+
+
+def leave_two(engine, ids: list[int]) -> None:
+    """Cut the KV cache back so that a prefill of ``ids`` runs at least two tokens (prefill_exact)."""
+    if len(ids) > 1 and common_prefix(engine.cached_ids, ids) >= len(ids) - 1:
+        engine.truncate(len(ids) - 2)
+
+
+def decode_prefix(pairs: Sequence[tuple[list[int], list[int]]]) -> list[int]:
+    """The tokens ``DecodeScorer`` prefills for an item: the shared context less its last token
+    ([] when the choices share no first token, or only one)."""
+    n = shared_length(pairs)
+    return list(pairs[0][0][: n - 1]) if n > 1 else []
 
 
 def shared_length(pairs: Sequence[tuple[list[int], list[int]]]) -> int:
@@ -122,10 +150,16 @@ class DecodeScorer:
         return n - 1
 
     def _context(self, ids: list[int]) -> torch.Tensor:
-        """Prefill ``ids`` less its last token, decode that one; its logits [V] score every choice's first token."""
+        """Prefill ``ids`` less its last token, decode that one; its logits [V] score every choice's first token.
+
+        The prefill is skipped when the KV cache holds exactly those tokens already (another arm of
+        the same item prefilled them: eval/run.py); they came from a prefill either way, which is
+        exact in every mode.
+        """
         if len(ids) > 1:
-            self.engine.prefill(ids[:-1])
-            self.prefills += 1
+            if self.engine.cached_ids != ids[:-1]:
+                prefill_exact(self.engine, ids[:-1])
+                self.prefills += 1
         else:
             self.engine.reset()
         return self.engine.forward(ids[-1:], "decode")
@@ -152,7 +186,7 @@ class PrefillScorer(DecodeScorer):
 
     def _context(self, ids: list[int]) -> torch.Tensor:
         self.prefills += 1
-        return self.engine.prefill(ids)  # [V] at the context's last position
+        return prefill_exact(self.engine, ids)  # [V] at the context's last position
 
     def _exact_prefix(self, n: int) -> int:
         return n
