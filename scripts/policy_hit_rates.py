@@ -4,9 +4,9 @@ Teacher-forces held-out text token by token through the default model (every exp
 the routing is the model's own), records the routing of each decode step, then replays it through
 the runtime's ExpertCache (runtime/cache/replay.py) for each policy and cache size: on-demand, with the
 router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
-rule. Prints a table (hit rate; beside it Belady's MIN, the offline bound, for the same mode and
-sizes: runtime/cache/belady.py; copies per token and wasted predictions at 25 %; the share of the
-lfru-MIN gap closed) and one JSON line. Below the policies, on demand, two rules no
+rule. Prints a table (hit rate; first Belady's MIN, the offline bound, for each mode: runtime/cache/
+belady.py; copies per token and wasted predictions at 25 %; the share of the lfru-MIN gap closed)
+and one JSON line. Below the policies, on demand, two rules no
 ``--cache-policy`` runs: ``foresight`` (runtime/cache/foresight.py: the farthest expected next use
 from the routers' rankings, what a running model knows) and MIN seeing only the next 1 / 2 / 4
 tokens (belady.HorizonMinRule, lfru beyond: how much future the gap needs). ``--save FILE`` writes
@@ -110,8 +110,7 @@ def _row(rows: dict, name: str, mode: str, results: list, bound: list[float], ba
     copies, wasted = results[1].copies_per_step(), results[1].wasted / results[1].steps
     rows[f"{name}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound, "gap_closed_vs_lfru": closed,
                               "copies_per_token_25": copies, "wasted_per_token_25": wasted}
-    print(f"{name:>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + " | "
-          + " ".join(f"{r:5.3f}" for r in bound) + f"  {copies:6.1f} ({wasted:.1f})  "
+    print(f"{name:>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + f"  {copies:6.1f} ({wasted:.1f})  "
           + " ".join(f"{c:4.0%}" for c in closed))
 
 
@@ -150,9 +149,11 @@ def main() -> None:
 
     bound = {mode: [run(partial(BeladyRule, trace), p, s).hit_rate() for s in sizes] for mode, p in modes}
     rows = {f"min/{mode}": {"hit_rate": rates} for mode, rates in bound.items()}
-    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}; right of |: Belady's MIN (offline bound)")
+    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}; min: Belady's MIN (offline bound)")
     head = " ".join(f"{f:>5.1%}" for f in fracs)
-    print(f"{'policy':>9} {'mode':>9} {head} | {head}  copies@25% (wasted)  lfru->MIN gap closed")
+    print(f"{'policy':>9} {'mode':>9} {head}  copies@25%  lfru->MIN gap closed")
+    for mode, rates in bound.items():
+        print(f"{'min':>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates))
     base: dict[str, list[float]] = {}  # lfru's rates per mode
     for policy in CachePolicy:
         for mode, p in modes:
