@@ -47,7 +47,10 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
 
     torch.set_num_threads(1)
     path = ensure_default_model(None)
-    om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU))
+    # No prediction gate: with every expert resident nothing is copied, so the gate would stop the
+    # router predicting after a few tokens and the trace would keep no predictions.
+    om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU,
+                                            prediction_gate=False))
     tok = AutoTokenizer.from_pretrained(path)
     text, _ = load_text(None)
     ids = tok(text)["input_ids"][: prompt + tokens]
@@ -86,6 +89,7 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
     total = len(om.store.moe_layers) * om.store.num_experts
     seed = load_seed(path, None, k)
     om.close()
+    assert all(len(step) == len(trace[0]) - 1 for step in preds), "the router predicted only some layers"
     return {"top_k": k, "experts": total, "trace": trace, "router": preds, "ranks": ranks,
             "router_ranks": pred_ranks, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
 
