@@ -32,7 +32,7 @@ miss would take (slots.py; tests/test_prefetch_bound.py), and a perfect predicti
 bytes than on-demand loading.
 
 Measured (scripts/policy_hit_rates.py, the default model's generated-text trace, on demand, 12.5 /
-25 / 50 % of the experts): 0.287 / 0.512 / 0.792 against lfru's 0.279 / 0.529 / 0.807 (MIN 0.411 /
+25 / 50 % of the experts): 0.289 / 0.515 / 0.792 against lfru's 0.279 / 0.529 / 0.807 (MIN 0.411 /
 0.626 / 0.849), so it is not a ``--cache-policy``. The rankings of the current token say little
 about the next one beyond what lfru's counts say; fed the NEXT token's true rankings instead (an
 oracle of one token) the same rule closes 45 / 44 / 21 % of the lfru-MIN gap (belady.py's
