@@ -8,7 +8,7 @@ import torch
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
-from moespec.runtime.layer.gate import MIN_OUTCOMES, PROBE_EVERY, RANK_PRECISION, PredictionGate
+from moespec.runtime.layer.gate import MIN_OUTCOMES, PROBE_EVERY, PredictionGate
 from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
@@ -105,26 +105,3 @@ def test_every_expert_resident_stops_predicting_and_stays_exact(tiny_models):
 def test_speculative_mode_has_no_gate(tiny_models):
     _, report = _decode(tiny_models["qwen3_moe"], Predictor.ROUTER, ExecuteMode.SPECULATIVE, n=2)
     assert report is None
-
-
-def test_ranks_below_two_thirds_precision_are_not_copied():
-    gate = PredictionGate(lambda: 2.0)
-    assert gate.copies_allowed(0, [5, 6, 7]) is None  # not measured yet: every rank is copied
-    for i in range(MIN_OUTCOMES + 20):  # rank 0 always used, rank 1 two times in three, rank 2 never
-        gate.observe_ranks(0, [5, 6, 7], {5, 6} if i % 3 else {5})
-    precision = gate.layers[0].precision
-    assert precision[0] == 1.0 and precision[2] == 0.0
-    allowed = gate.copies_allowed(0, [1, 2, 3])  # the ranks, whatever the ids this time
-    assert 1 in allowed and 3 not in allowed
-    assert (2 in allowed) == (precision[1] >= RANK_PRECISION)
-    assert gate.report()[0]["rank_precision"] == precision
-
-
-def test_a_rank_comes_back_when_its_precision_does():
-    gate = PredictionGate(lambda: 2.0)
-    for _ in range(MIN_OUTCOMES + 10):
-        gate.observe_ranks(0, [5, 6], {5})
-    assert gate.copies_allowed(0, [5, 6]) == {5}
-    for _ in range(20):
-        gate.observe_ranks(0, [5, 6], {5, 6})
-    assert gate.copies_allowed(0, [5, 6]) == {5, 6}

@@ -13,7 +13,6 @@ from moespec.config import CachePolicy
 from moespec.runtime.cache.belady import BeladyRule
 from moespec.runtime.cache.eviction import make_rule
 from moespec.runtime.cache.foresight import ForesightRule
-from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.replay import NullEngine, replay
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.transfer.base import Ticket
@@ -64,30 +63,6 @@ def test_a_perfect_prediction_never_moves_more_bytes_with_rankings(case, data):
     rule = partial(ForesightRule, seed, k)
     demand = replay(trace, slots, rule, None, prefetch_slots=0, ranks=ranks, predicted_ranks=ahead)
     oracle = replay(trace, slots, rule, trace, prefetch_slots=k, ranks=ranks, predicted_ranks=ahead)
-    assert oracle.copies <= demand.copies
-    assert oracle.wasted == 0
-
-
-@settings(max_examples=150, deadline=None, derandomize=True)
-@given(cases(), st.data())
-def test_copying_only_some_ranks_never_moves_more_bytes(case, data):
-    # The gate copies only the ranks worth a copy (gate.py); the others are pinned if resident,
-    # else left to their misses: with a perfect prediction still no more bytes than on-demand.
-    trace, k, slots, seed, policy = case
-    experts = 1 + max(e for _, e in seed)
-    original = PrefetchLedger.issue
-
-    def some(ledger, target, wanted, stats, budget=None, allowed=None):
-        allowed = set(data.draw(st.lists(st.integers(0, experts - 1), max_size=k)))
-        return original(ledger, target, wanted, stats, budget, allowed)
-
-    rule = _rule(policy, seed, slots, k)
-    demand = replay(trace, slots, rule, None, prefetch_slots=0)
-    PrefetchLedger.issue = some
-    try:
-        oracle = replay(trace, slots, rule, trace, prefetch_slots=k)
-    finally:
-        PrefetchLedger.issue = original
     assert oracle.copies <= demand.copies
     assert oracle.wasted == 0
 

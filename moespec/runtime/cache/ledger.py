@@ -41,8 +41,7 @@ class PrefetchLedger:
         """Target layer -> pinned slots (a copy)."""
         return {layer: list(slots) for layer, slots in self._pins.items()}
 
-    def issue(self, target: int, experts: list[int], stats: LayerStats, budget: int | None = None,
-              allowed: set[int] | None = None) -> None:
+    def issue(self, target: int, experts: list[int], stats: LayerStats, budget: int | None = None) -> None:
         """Pin ``experts`` of layer ``target`` ahead of use: the resident ones first (no copy, so no
         copy of this prediction evicts one of them), then copies of the others, in the given order.
 
@@ -50,14 +49,12 @@ class PrefetchLedger:
         has no such slot free now: ``ExpertCache.prefetch``); an expert skipped leaves that slot to
         its miss, so a perfect prediction evicts exactly what on-demand loading would. ``budget``:
         most experts copied (``--on-miss auto``: what lands within a layer), resident ones free;
-        None: no limit. ``allowed``: the only experts that may be copied (the gate's ranks worth a
-        copy: gate.py); the others are pinned if resident, else skipped; None: all. Counts the copies as ``stats.prefetched`` and their bytes as ``stats.h2d_bytes``.
+        None: no limit. Counts the copies as ``stats.prefetched`` and their bytes as ``stats.h2d_bytes``.
         """
         cache = self.cache
         pins, reserved = [], set()
         for e in cache.resident_first(target, experts):
-            may_copy = (budget is None or budget > 0) and (allowed is None or e in allowed)
-            got = cache.prefetch((target, e), reserved, may_copy)
+            got = cache.prefetch((target, e), reserved, budget is None or budget > 0)
             if got is None:
                 continue  # no copy: its demand miss takes the slot it was given
             slot, copied = got

@@ -18,13 +18,6 @@ stops after the first measurements. Until a layer has a measurement it predicts.
 mode has no gate (a speculated layer runs its prediction); ``--on-miss auto`` has its own
 instead (misses/planner.py: a used prefetch saves a host job there).
 
-Within an open layer the same model picks which predicted experts are copied: per rank r of the
-prediction (experts by predicted score, best first) the gate keeps the running share of visits
-whose rank-r expert the next layer used, its precision p_r; a copy of rank r is worth it while
-p_r x c >= (1 - p_r) x 2c, i.e. p_r >= 2/3 (``RANK_PRECISION``). A rank below it is not copied (a
-resident one is still pinned: that costs nothing), its slot left to its demand miss
-(ledger.py), so the bound on bytes holds; its precision is still measured, so it comes back.
-
 The decision and its numbers per layer: :meth:`PredictionGate.report` (``moespec profile``).
 """
 
@@ -35,7 +28,6 @@ from dataclasses import dataclass
 PROBE_EVERY = 64  # decode visits of a closed layer between probes
 MIN_OUTCOMES = 4  # outcomes a layer is measured on before the gate may close it
 _AVERAGE = 0.1  # weight of a new observation in the running averages
-RANK_PRECISION = 2.0 / 3.0  # a rank is copied while p x c >= (1 - p) x 2c (module docstring)
 _STEP_CLAMP = 4.0  # one predict_ms observation counts at most this many times the average (a preempted
 #                    layer, a first call, is not the cost)
 
@@ -50,8 +42,6 @@ class LayerGate:
         open: whether the layer predicts now; outcomes: predicted visits measured; since_probe: closed
             visits since the last probe.
         ran, skipped: decode visits that predicted / that the gate skipped.
-        precision, ranked: per rank, the running share of predictions whose expert at that rank
-            the next layer used; how many predictions that measured.
     """
 
     used: float | None = None
@@ -62,8 +52,6 @@ class LayerGate:
     since_probe: int = 0
     ran: int = 0
     skipped: int = 0
-    precision: list[float] | None = None  # per rank of the prediction: share of visits it was used
-    ranked: int = 0  # predictions measured for ``precision``
 
 
 def _fold(avg: float | None, x: float) -> float:
@@ -111,25 +99,6 @@ class PredictionGate:
         saving, cost = self.saving_cost(layer)
         g.open = g.outcomes < MIN_OUTCOMES or saving is None or saving >= cost
 
-    def observe_ranks(self, layer: int, predicted: list[int], needed) -> None:
-        """The layer ``layer`` predicted ran with the experts ``needed`` (a container of ids);
-        ``predicted``: the prediction's ids, best first."""
-        g = self.layers.setdefault(layer, LayerGate())
-        hits = [1.0 if e in needed else 0.0 for e in predicted]
-        if g.precision is None or len(g.precision) != len(hits):
-            g.precision = hits
-        else:
-            g.precision = [_fold(p, h) for p, h in zip(g.precision, hits)]
-        g.ranked += 1
-
-    def copies_allowed(self, layer: int, predicted: list[int]) -> set[int] | None:
-        """The experts of ``layer``'s prediction (ids, best first) worth a copy: those at ranks whose
-        measured precision reaches RANK_PRECISION; None (all) until MIN_OUTCOMES were measured."""
-        g = self.layers.get(layer)
-        if g is None or g.precision is None or g.ranked < MIN_OUTCOMES or len(g.precision) != len(predicted):
-            return None
-        return {e for e, p in zip(predicted, g.precision) if p >= RANK_PRECISION}
-
     def saving_cost(self, layer: int) -> tuple[float | None, float]:
         """(saving ms, cost ms) per predicted visit of ``layer``; saving None while not measured."""
         g = self.layers.get(layer)
@@ -150,7 +119,7 @@ class PredictionGate:
             else:
                 why = f"saves {saving:.2f} ms {'>=' if g.open else '<'} costs {cost:.2f} ms"
             out[layer] = {"open": g.open, "ran": g.ran, "skipped": g.skipped, "saving_ms": saving,
-                          "cost_ms": cost, "why": why, "rank_precision": g.precision}
+                          "cost_ms": cost, "why": why}
         return out
 
 

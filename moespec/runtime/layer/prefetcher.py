@@ -48,9 +48,8 @@ class NoPrefetcher:
     def clear(self) -> None:
         """Forget the predictions of an unfinished forward."""
 
-    def observed(self, layer: int, used: int, wasted: int, needed=()) -> None:
-        """``layer``, which a prediction was made for, ran with ``needed`` (expert ids): ``used`` /
-        ``wasted`` of its prefetch copies."""
+    def observed(self, layer: int, used: int, wasted: int) -> None:
+        """``layer``, which a prediction was made for, ran: ``used`` / ``wasted`` of its prefetch copies."""
 
 
 class Prefetcher(NoPrefetcher):
@@ -70,7 +69,7 @@ class Prefetcher(NoPrefetcher):
         self.misses = misses
         self.gate = gate
         self.predicted: dict[int, Prediction] = {}  # target layer -> its prediction
-        self._source: dict[int, tuple[int, list[int]]] = {}  # target layer -> (the layer that predicted it, its ids)
+        self._source: dict[int, int] = {}  # target layer -> the layer that predicted it
         self._predict_s = 0.0  # the running layer's prediction time (the gate's overhead)
 
     def take(self, layer: int) -> Prediction | None:
@@ -96,20 +95,17 @@ class Prefetcher(NoPrefetcher):
         target = self.predictor.target(layer).layer
         self.predicted[target] = prediction
         wanted, budget = self.misses.prefetch_plan(prediction.host_ids, self.ledger.cache)
-        allowed = None if self.gate is None else self.gate.copies_allowed(layer, prediction.host_ids)
-        self.ledger.issue(target, wanted, recorder.layer(target), budget, allowed)
+        self.ledger.issue(target, wanted, recorder.layer(target), budget)
         ms = (self._predict_s + time.perf_counter() - t0) * 1e3
         self.misses.observe_predict(ms)
         if self.gate is not None:
             self.gate.observe_predict(layer, ms)
-            self._source[target] = (layer, prediction.host_ids)
+            self._source[target] = layer
 
-    def observed(self, layer: int, used: int, wasted: int, needed=()) -> None:
-        got = self._source.pop(layer, None)
-        if got is not None and self.gate is not None:
-            source, predicted = got
+    def observed(self, layer: int, used: int, wasted: int) -> None:
+        source = self._source.pop(layer, None)
+        if source is not None and self.gate is not None:
             self.gate.observe_outcome(source, used, wasted)
-            self.gate.observe_ranks(source, predicted, needed)
 
     def clear(self) -> None:
         self.predicted.clear()

@@ -249,7 +249,7 @@ class MoeLayerRunner:
                     misses.observe_device(tokens(e), span)
         if kept is not None:  # a predicted layer: how many of its prefetches it used
             misses.observe_used(stats.prefetch_used - used)
-            self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted, experts)
+            self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted)
         misses.collect(jobs, put, rec, stats)
 
 
