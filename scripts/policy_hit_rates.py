@@ -4,10 +4,15 @@ Teacher-forces held-out text token by token through the default model (every exp
 the routing is the model's own), records the routing of each decode step, then replays it through
 the runtime's ExpertCache (runtime/cache/replay.py) for each policy and cache size: on-demand, with the
 router predictor's predictions and with the oracle's (the true routing), under the cache's prefetch
-rule. Prints a table (hit rate; beside it Belady's MIN, the offline bound, for the same mode and
-sizes: runtime/cache/belady.py; copies per token and wasted predictions at 25 %) and one JSON line. ``--save FILE`` writes the recorded trace (routing, the router's predictions and the
-calibration seed per decode step, JSON) and ``--trace FILE`` replays a saved one without running
-the model. Usage:
+rule. Prints a table (hit rate; first Belady's MIN, the offline bound, for each mode: runtime/cache/
+belady.py; copies per token and wasted predictions at 25 %; the share of the lfru-MIN gap closed)
+and one JSON line. Below the policies, on demand, two rules no
+``--cache-policy`` runs: ``foresight`` (runtime/cache/foresight.py: the farthest expected next use
+from the routers' rankings, what a running model knows) and MIN seeing only the next 1 / 2 / 4
+tokens (belady.HorizonMinRule, lfru beyond: how much future the gap needs). ``--save FILE`` writes
+the recorded trace (per decode step: routing, the router predictor's ids, both routers' rankings
+(expert ids by logit, best first: the layer's own and the predictor's for the next layer); the
+calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
 
   PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
       [--generate | --chat "Write a short story about a lighthouse keeper."]
@@ -42,7 +47,10 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
 
     torch.set_num_threads(1)
     path = ensure_default_model(None)
-    om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU))
+    # No prediction gate: with every expert resident nothing is copied, so the gate would stop the
+    # router predicting after a few tokens and the trace would keep no predictions.
+    om = load_offloaded(path, RuntimeConfig(device="cpu", predictor=Predictor.ROUTER, cache_policy=CachePolicy.LRU,
+                                            prediction_gate=False))
     tok = AutoTokenizer.from_pretrained(path)
     text, _ = load_text(None)
     ids = tok(text)["input_ids"][: prompt + tokens]
@@ -51,8 +59,9 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
                                             tokenize=False)
         ids, prompt, generate = tok(templated, add_special_tokens=False)["input_ids"], None, True
     engine = Engine(om)
-    trace, preds = [], []
+    trace, preds, ranks, pred_ranks = [], [], [], []
     current: dict[int, list[int]] = {}
+    current_ranks: dict[int, list[int]] = {}
 
     class Recorded(RouterPredictor):
         """The router predictor, keeping what it predicts for each layer in ``current``."""
@@ -60,34 +69,63 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
         def predict(self, layer, residual, used):
             got = super().predict(layer, residual, used)
             if got is not None:
-                current.setdefault(self.target(layer).layer, got.ids.reshape(-1).tolist())
+                target = self.target(layer).layer
+                current.setdefault(target, got.ids.reshape(-1).tolist())
+                current_ranks.setdefault(target, _ranked(got.logits))
             return got
 
     om.use_policy(replace(om.policy, predictor=Recorded(om.adapter, om.layer_refs())))
     with torch.inference_mode(), om.recording_routings() as ran:
         last = engine.forward(ids[:prompt], "prefill")
         for i in range(tokens):
-            current = {}
+            current, current_ranks = {}, {}
             t = int(torch.argmax(last)) if generate else ids[prompt + i]
             last = engine.forward([t], "decode")
             trace.append({layer: r.ids[0].tolist() for layer, r in sorted(ran.items())})
+            ranks.append({layer: _ranked(r.logits) for layer, r in sorted(ran.items())})
             preds.append(current)
+            pred_ranks.append(current_ranks)
     k = om.adapter.top_k()
     total = len(om.store.moe_layers) * om.store.num_experts
     seed = load_seed(path, None, k)
     om.close()
-    return {"top_k": k, "experts": total, "trace": trace, "router": preds,
-            "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
+    assert all(len(step) == len(trace[0]) - 1 for step in preds), "the router predicted only some layers"
+    return {"top_k": k, "experts": total, "trace": trace, "router": preds, "ranks": ranks,
+            "router_ranks": pred_ranks, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
+
+
+def _ranked(logits: torch.Tensor) -> list[int]:
+    """Expert ids of a one-token router logits [1, E] (or [E]), highest logit first."""
+    return torch.argsort(logits.reshape(-1).float(), descending=True, stable=True).tolist()
 
 
 def _steps(raw: list) -> list[dict[int, list[int]]]:
     return [{int(layer): ids for layer, ids in step.items()} for step in raw]
 
 
+def _row(rows: dict, name: str, mode: str, results: list, bound: list[float], base: dict) -> None:
+    """Print and keep one policy's row: hit rates at each size, MIN's, copies and wasted at 25 %, and
+    the share of the lfru-MIN gap closed (lfru's own row sets ``base``)."""
+    rates = [r.hit_rate() for r in results]
+    if name == "lfru":
+        base[mode] = rates
+    lf = base.get(mode, rates)
+    closed = [(r - a) / (b - a) if b > a else float("nan") for r, a, b in zip(rates, lf, bound)]
+    copies, wasted = results[1].copies_per_step(), results[1].wasted / results[1].steps
+    rows[f"{name}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound, "gap_closed_vs_lfru": closed,
+                              "copies_per_token_25": copies, "wasted_per_token_25": wasted}
+    print(f"{name:>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + f"  {copies:6.1f} ({wasted:.1f})  "
+          + " ".join(f"{c:4.0%}" for c in closed))
+
+
+HORIZONS = (1, 2, 4)  # tokens of future routing a MIN row sees
+
+
 def main() -> None:
     from moespec.config import CachePolicy
-    from moespec.runtime.cache.belady import BeladyRule
-    from moespec.runtime.cache.eviction import make_rule
+    from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
+    from moespec.runtime.cache.eviction import LfruRule, make_rule
+    from moespec.runtime.cache.foresight import ForesightRule
     from moespec.runtime.cache.replay import replay
 
     ap = argparse.ArgumentParser()
@@ -107,23 +145,32 @@ def main() -> None:
     fracs = (0.125, 0.25, 0.5)
     sizes = [int(total * f) for f in fracs]
 
+    ranks = _steps(data["ranks"]) if "ranks" in data else None  # traces saved before the rankings: none
+    ahead = _steps(data["router_ranks"]) if "router_ranks" in data else None
+
     def run(rule, p, slots):
-        return replay(trace, slots, rule, p, prefetch_slots=k if p else 0)
+        return replay(trace, slots, rule, p, prefetch_slots=k if p else 0, ranks=ranks, predicted_ranks=ahead)
 
     bound = {mode: [run(partial(BeladyRule, trace), p, s).hit_rate() for s in sizes] for mode, p in modes}
     rows = {f"min/{mode}": {"hit_rate": rates} for mode, rates in bound.items()}
-    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}; right of |: Belady's MIN (offline bound)")
+    print(f"{len(trace)} held-out tokens, {total} experts, top-{k}; min: Belady's MIN (offline bound)")
     head = " ".join(f"{f:>5.1%}" for f in fracs)
-    print(f"{'policy':>6} {'mode':>9} {head} | {head}  copies@25% (wasted)")
+    print(f"{'policy':>9} {'mode':>9} {head}  copies@25%  lfru->MIN gap closed")
+    for mode, rates in bound.items():
+        print(f"{'min':>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates))
+    base: dict[str, list[float]] = {}  # lfru's rates per mode
     for policy in CachePolicy:
         for mode, p in modes:
             results = [run(partial(make_rule, policy, seed, s, k), p, s) for s in sizes]
-            rates = [r.hit_rate() for r in results]
-            copies, wasted = results[1].copies_per_step(), results[1].wasted / results[1].steps
-            rows[f"{policy.value}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound[mode],
-                                              "copies_per_token_25": copies, "wasted_per_token_25": wasted}
-            print(f"{policy.value:>6} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + " | "
-                  + " ".join(f"{r:5.3f}" for r in bound[mode]) + f"  {copies:6.1f} ({wasted:.1f})")
+            _row(rows, policy.value, mode, results, bound[mode], base)
+    # Rules no --cache-policy runs, on demand: foresight (the routers' rankings, foresight.py) and
+    # MIN that sees only the next W tokens (belady.py), against lfru: what the gap needs.
+    if ranks is not None:
+        results = [run(partial(ForesightRule, seed, k), None, s) for s in sizes]
+        _row(rows, "foresight", "on-demand", results, bound["on-demand"], base)
+    for w in HORIZONS:
+        results = [run(lambda w=w: HorizonMinRule(trace, w, LfruRule(seed, k)), None, s) for s in sizes]
+        _row(rows, f"min@{w}tok", "on-demand", results, bound["on-demand"], base)
     print(json.dumps({"tokens": len(trace), "results": rows}))
 
 

@@ -65,3 +65,45 @@ class BeladyRule(EvictionRule):
             if n > farthest:
                 best, farthest = slot, n
         return best
+
+
+class HorizonMinRule(BeladyRule):
+    """MIN that sees only ``tokens`` decode tokens ahead (offline; replay only): how much of MIN's
+    lead needs how much of the future.
+
+    A key whose next use is within the horizon (``tokens`` x M layer visits from the running one)
+    is "near"; the victim is a far key, chosen by ``fallback`` (the online rule, e.g. lfru) among the
+    far ones, else the near key used farthest ahead (MIN). It keeps the layer before's experts as
+    ``fallback`` does (``keeps_last_visit``), so ``tokens`` = 0 is ``fallback`` exactly and a horizon
+    past the trace's end is MIN under the same constraint.
+
+    Args:
+        trace: as BeladyRule's.
+        tokens: the horizon, in decode tokens.
+        fallback: the rule that orders the far keys (it hears every use and visit).
+    """
+
+    def __init__(self, trace: list[dict[int, list[int]]], tokens: int, fallback: EvictionRule) -> None:
+        super().__init__(trace)
+        self.window = tokens * max((len(step) for step in trace), default=1)  # layer visits
+        self.fallback = fallback
+        self.keeps_last_visit = fallback.keeps_last_visit
+        self.clock = -1  # the running visit's index (BeladyRule counts visits from 0)
+
+    def visit(self, layer: int) -> None:
+        self.clock += 1
+        self.fallback.visit(layer)
+
+    def used(self, key: Key) -> None:
+        super().used(key)
+        self.fallback.used(key)
+
+    def victim(self, order: Iterable[Slot]) -> Slot | None:
+        slots = list(order)
+        horizon = self.clock + self.window
+        far = [s for s in slots if s.key is None or self.next_use(s.key) > horizon]
+        if far:
+            empty = next((s for s in far if s.key is None), None)
+            return empty or self.fallback.victim(far)
+        return super().victim(slots)
+

@@ -57,6 +57,17 @@ class EvictionRule:
         """The slot to evict among ``order`` (evictable slots, oldest first); None when empty."""
         return next(iter(order), None)
 
+    # Rankings of a layer's experts, for a rule that looks ahead (foresight.py); the others ignore them.
+    def routed(self, layer: int, ranked: list[int]) -> None:
+        """``layer``'s router logits of this decode token, as expert ids best first (buffered)."""
+
+    def predicted(self, layer: int, ranked: list[int]) -> None:
+        """The predictor's logits for ``layer``'s coming visit, as expert ids best first (buffered)."""
+
+    def commit(self) -> None:
+        """Apply the buffered rankings (the stream calls it once the running layer's demand copies
+        are queued, before the next layer's prefetch: a score never moves between the two)."""
+
 
 class LfuRule(EvictionRule):
     """Least frequently used, seeded from calibration use probabilities ``seed`` (key -> uses/token)."""

@@ -98,7 +98,8 @@ class ReplayResult:
 
 def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None = None,
            predictions: Trace | None = None, prefetch_slots: int | None = None,
-           engine: TransferEngine | None = None) -> ReplayResult:
+           engine: TransferEngine | None = None, ranks: Trace | None = None,
+           predicted_ranks: Trace | None = None) -> ReplayResult:
     """Run ``trace`` through a fresh ExpertCache of ``num_slots`` slots.
 
     Args:
@@ -108,6 +109,10 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
             before it runs (None = on-demand).
         prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
         engine: the stand-in transfer engine (None: NullEngine, copies land at once).
+        ranks: per step, layer -> its router's expert ids best first (the rule's ``routed``).
+        predicted_ranks: per step, layer -> the predictor's expert ids best first for that layer,
+            made while the layer before it ran (the rule's ``predicted``; also without ``predictions``:
+            a rule may look at a prediction that nothing prefetches).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), engine or NullEngine(), rule, prefetch_slots)
     ledger = PrefetchLedger(cache)
@@ -121,8 +126,13 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
             here = stats.setdefault(layer, LayerStats())
             kept = ledger.settle(layer, ids, here)
             queued = None
-            if predictions is not None and i + 1 < len(layers):
-                nxt = layers[i + 1]
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            rule = cache.rule
+            if ranks is not None and layer in ranks[s]:
+                rule.routed(layer, ranks[s][layer])
+            if predicted_ranks is not None and nxt is not None and nxt in predicted_ranks[s]:
+                rule.predicted(nxt, predicted_ranks[s][nxt])
+            if predictions is not None and nxt is not None:
                 wanted = sorted(set(predictions[s].get(nxt, [])))
                 queued = partial(ledger.issue, nxt, wanted, stats.setdefault(nxt, LayerStats()))
             for _ in stream(cache, layer, ids, here, recorder, kept, queued):

@@ -45,6 +45,7 @@ def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats
     _fill(cache, layer, pending, in_flight, stats)
     for slot in kept or ():  # now pinned by acquire as well
         cache.release(slot)
+    cache.rule.commit()  # rankings move scores here only: the next layer's prefetch picks as its misses will
     if queued is not None:
         queued()
     while in_flight:

@@ -1,0 +1,83 @@
+"""The look-ahead rules of the policy replay: ForesightRule (the routers' rankings, foresight.py)
+and MIN with a horizon of W tokens (belady.HorizonMinRule)."""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+import pytest
+
+from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
+from moespec.runtime.cache.eviction import LfruRule
+from moespec.runtime.cache.foresight import ForesightRule
+from moespec.runtime.cache.replay import replay
+from moespec.runtime.cache.slot import Slot
+
+
+def _random_trace(rng: random.Random, layers: int, experts: int, k: int, steps: int):
+    return [{layer: sorted(rng.sample(range(experts), k)) for layer in range(layers)} for _ in range(steps)]
+
+
+def _slots(*keys):
+    return [Slot(i, key) for i, key in enumerate(keys)]
+
+
+def _uniform(layers: int, experts: int, k: int) -> dict:
+    return {(layer, e): k / experts for layer in range(layers) for e in range(experts)}
+
+
+def test_rankings_move_scores_only_at_commit():
+    rule = ForesightRule(_uniform(2, 4, 1), top_k=1)
+    slots = _slots((1, 0), (1, 3))
+    before = rule.victim(slots)
+    rule.visit(0)
+    rule.predicted(1, [3, 2, 1, 0])  # (1, 3) is the predictor's first choice for layer 1
+    assert rule.victim(slots) is before  # buffered: nothing moved yet
+    rule.commit()
+    assert rule.victim(slots).key == (1, 0)  # the expert ranked last goes, the first is kept
+
+
+def test_the_next_layer_s_prediction_is_nearer_than_the_next_token():
+    # Layer 0 just ran with expert 0 (its own ranking is about the next token, M visits away);
+    # layer 1's predicted expert 2 is one visit away: with equal rates and rank odds, the far one goes.
+    rule = ForesightRule(_uniform(2, 4, 1), top_k=1)
+    rule.visit(0)
+    rule.routed(0, [0, 1, 2, 3])
+    rule.predicted(1, [2, 1, 0, 3])
+    rule.commit()
+    assert rule.victim(_slots((0, 0), (1, 2))).key == (0, 0)
+
+
+def test_rank_odds_are_learned_from_the_visits_they_were_about():
+    rule = ForesightRule(_uniform(1, 4, 1), top_k=1)
+    first = rule.rank_probability(0, 0)
+    assert first == pytest.approx(0.25)  # the prior K / E
+    for _ in range(20):  # every token the same expert leads and is used
+        rule.visit(0)
+        rule.routed(0, [2, 0, 1, 3])
+        rule.commit()
+    # 19 outcomes (the first ranking is scored at the second visit), on a prior of 4 pseudo-visits at 1/4
+    assert rule.rank_probability(0, 0) == pytest.approx((1 + 19) / (4 + 19))
+    assert rule.rank_probability(0, 1) == pytest.approx(1 / (4 + 19))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_horizon_zero_is_the_fallback_and_a_long_one_is_min(seed):
+    rng = random.Random(seed)
+    layers, experts, k = 3, 6, 2
+    trace = _random_trace(rng, layers, experts, k, 30)
+    prior = {(layer, e): rng.random() for layer in range(layers) for e in range(experts)}
+    for slots in (k, 5, 9):
+        lfru = replay(trace, slots, partial(LfruRule, prior, k), prefetch_slots=0)
+        zero = replay(trace, slots, lambda: HorizonMinRule(trace, 0, LfruRule(prior, k)), prefetch_slots=0)
+        assert (zero.hits, zero.misses) == (lfru.hits, lfru.misses)
+
+        class KeepingLast(BeladyRule):  # MIN under the constraint lfru keeps (the layer before's last)
+            keeps_last_visit = True
+
+        bound = replay(trace, slots, partial(KeepingLast, trace), prefetch_slots=0)
+        long = replay(trace, slots, lambda: HorizonMinRule(trace, 100, LfruRule(prior, k)), prefetch_slots=0)
+        assert long.hit_rate() == bound.hit_rate()
+        one = replay(trace, slots, lambda: HorizonMinRule(trace, 1, LfruRule(prior, k)), prefetch_slots=0)
+        assert one.hit_rate() <= bound.hit_rate()
