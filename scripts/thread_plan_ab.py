@@ -2,11 +2,13 @@
 
     python scripts/thread_plan_ab.py [MODEL] [--arms all:auto:1,all:auto:2,all:auto:2s] [--rounds 3] [--gen 24]
 
-An arm is ``CACHE:EXPERT_DTYPE:THREADS``: CACHE ``all`` (every expert resident) or ``hostN``
+An arm is ``CACHE:EXPERT_DTYPE:THREADS[:VARIANT]``: CACHE ``all`` (every expert resident) or ``hostN``
 (``--cache-experts N --on-miss host``, the host pool on its default threads); EXPERT_DTYPE as
 ``--expert-dtype``; THREADS torch's thread count for the step (``--threads``), with the thread plan
 (runtime/threads.py), or ``Ns``: N threads with the plan off (the serial path: torch's N intra-op
-threads, as before the plan). Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
+threads, as before the plan). VARIANT (comma list) changes the plan for that arm: ``mN`` splits
+products from N MiB on (kernels/linear.SPLIT_MIN_BYTES), ``ns`` keeps the shared expert on the
+compute thread (ThreadPlan.shared_beside = False). Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
 exact); each decode step runs once on each arm, the order rotating every step, so a burst of load
 hits every arm alike. Also measured in the same process: memory read GB/s (``torch.sum`` over 256 MiB
 float32, best of 7) at 1 and 2 intra-op threads.
@@ -71,16 +73,21 @@ def main() -> int:
 
     import torch
 
+    from moespec.kernels import linear as L
+
     torch.set_num_threads(1)
     if args.model is None:
         from moespec.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     arms = args.arms.split(",")
-    keys = {}
+    keys, variants = {}, {}
     for a in arms:
-        cache, dtype, threads = a.split(":")
+        cache, dtype, threads, *variant = a.split(":")
         keys[a] = (cache, dtype, int(threads.rstrip("s")), not threads.endswith("s"))
+        v = variant[0] if variant else ""
+        mib = next((int(p[1:]) for p in v.split(",") if p.startswith("m")), None)
+        variants[a] = (L.SPLIT_MIN_BYTES if mib is None else mib << 20, "ns" not in v.split(","))
     engines = {}
     for cache, dtype, _, _ in keys.values():
         if (cache, dtype) not in engines:
@@ -101,6 +108,7 @@ def main() -> int:
                 cache, dtype, threads, plan = keys[a]
                 eng = engines[(cache, dtype)]
                 eng.om.threads.enabled = plan
+                L.SPLIT_MIN_BYTES, eng.om.threads.shared_beside = variants[a]
                 torch.set_num_threads(threads)
                 eng.truncate(len(prompt) + i)  # arms sharing an engine: the same context each step
                 t0 = time.perf_counter()

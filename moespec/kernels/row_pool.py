@@ -148,6 +148,7 @@ class RowPool:
         if workers < 1:
             raise ValueError(f"a RowPool needs at least one worker, not {workers}")
         self.workers = workers
+        self.beside = True  # False: start() refuses every task (the caller runs it; ThreadPlan.shared_beside)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = workers  # workers with no task (read without the lock: a hint, never a wait)
         self._idle_lock = threading.Lock()
@@ -198,7 +199,7 @@ class RowPool:
     def start(self, fn: Callable[[], object]) -> Ticket | None:
         """Run ``fn()`` on an idle worker and return its Ticket, or None when no worker is idle (then
         the caller runs ``fn`` itself)."""
-        if self._closed or self._take(1) == 0:
+        if self._closed or not self.beside or self._take(1) == 0:
             return None
         ticket = Ticket(fn)
         self._tasks.put(ticket._run)  # run(release)

@@ -52,11 +52,13 @@ class ThreadPlan:
 
     Attributes:
         enabled: False runs every forward serially with torch's own threads (the reference).
+        shared_beside: run an MoE layer's shared expert on a worker beside the routed experts.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = True
+        self.shared_beside = True
         self._pools: dict[int, row_pool.RowPool] = {}
 
     def applies(self, tokens: int, threads: int) -> bool:
@@ -80,6 +82,7 @@ class ThreadPlan:
             yield None
             return
         pool = self.pool(threads - 1)
+        pool.beside = self.shared_beside
         torch.set_num_threads(1)
         try:
             with row_pool.using(pool):
