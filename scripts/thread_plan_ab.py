@@ -6,7 +6,7 @@ An arm is ``CACHE:EXPERT_DTYPE:THREADS[:VARIANT]``: CACHE ``all`` (every expert 
 (``--cache-experts N --on-miss host``, the host pool on its default threads); EXPERT_DTYPE as
 ``--expert-dtype``; THREADS torch's thread count for the step (``--threads``), with the thread plan
 (runtime/threads.py), or ``Ns``: N threads with the plan off (the serial path: torch's N intra-op
-threads, as before the plan). VARIANT (comma list) changes the plan for that arm: ``mN`` splits
+threads, as before the plan). VARIANT (``+``-separated) changes the plan for that arm: ``mN`` splits
 products from N MiB on (kernels/linear.SPLIT_MIN_BYTES), ``ns`` keeps the shared expert on the
 compute thread (ThreadPlan.shared_beside = False). Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
 exact); each decode step runs once on each arm, the order rotating every step, so a burst of load
@@ -86,8 +86,8 @@ def main() -> int:
         cache, dtype, threads, *variant = a.split(":")
         keys[a] = (cache, dtype, int(threads.rstrip("s")), not threads.endswith("s"))
         v = variant[0] if variant else ""
-        mib = next((int(p[1:]) for p in v.split(",") if p.startswith("m")), None)
-        variants[a] = (L.SPLIT_MIN_BYTES if mib is None else mib << 20, "ns" not in v.split(","))
+        mib = next((int(p[1:]) for p in v.split("+") if p.startswith("m")), None)
+        variants[a] = (L.SPLIT_MIN_BYTES if mib is None else mib << 20, "ns" not in v.split("+"))
     engines = {}
     for cache, dtype, _, _ in keys.values():
         if (cache, dtype) not in engines:
