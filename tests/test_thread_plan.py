@@ -128,6 +128,8 @@ def test_planned_decode_equals_serial(tmp_path, family, monkeypatch):
     monkeypatch.setattr(L, "SPLIT_MIN_BYTES", 0)
     cfg = RuntimeConfig(predictor=Predictor.NONE)
     serial, planned = load_offloaded(folder, cfg), load_offloaded(folder, cfg)
+    assert planned.threads.shared_beside is False  # the default (measured slower); tested on here
+    planned.threads.shared_beside = True
     starts = []
     before = row_pool.RowPool.start
 

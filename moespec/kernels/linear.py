@@ -45,10 +45,12 @@ from moespec.kernels.lowbit import LowBitWeight, dequantize
 FUSED_MAX_TOKENS = 16
 FUSED_MAX_TOKENS_F32 = 8
 # A product is split over the row pool's workers from this many weight bytes on, in chunks of about
-# CHUNK_BYTES (at most MAX_CHUNKS). Measured on the default model's shapes (README "Threads"): a
-# hand-off to a sleeping worker costs ~20-30 us here, so a product must take well over that alone.
-SPLIT_MIN_BYTES = 1 << 20
-CHUNK_BYTES = 1 << 19
+# CHUNK_BYTES (at most MAX_CHUNKS). Measured (docs/decisions.md 2026-12-02 "A thread plan for
+# decode"): waking a sleeping worker costs ~50 us on this idle VM, so splitting lost on every
+# product of 1-5 MB (q 1.3 MB 140 -> 199 us, down 2.4 MB 213 -> 256, gate_up 4.7 MB 365 -> 334) and
+# won on lm_head (113 MB, 10.3 -> 6.1 ms); end to end a 1 MiB threshold was 0.78x one thread, 16 MiB 0.91x.
+SPLIT_MIN_BYTES = 16 << 20
+CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 16
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
 

@@ -10,11 +10,12 @@ process computes on N cores. How they are used depends on the step:
   - decode (T <= ``DECODE_MAX_TOKENS``) with N > 1 on the CPU: the compute thread runs with ONE
     intra-op thread (the hundreds of tiny ops of a step stay on it and never fork a team), and
     N - 1 persistent workers (kernels/row_pool.RowPool) take the work that can use another core:
-      * the weight-reading products of at least ``linear.SPLIT_MIN_BYTES`` (attention projections,
-        the shared expert, lm_head through moespec.kernels.linear) cut by output rows, the caller
-        and the workers pulling chunks from one counter;
-      * an MoE layer's shared expert runs on an idle worker while the compute thread routes and
-        computes the routed experts (runtime/layer/runner.py), joined before they are summed.
+      * the weight-reading products of at least ``linear.SPLIT_MIN_BYTES`` through
+        moespec.kernels.linear (on the default model: lm_head) cut by output rows, the caller and
+        the workers pulling chunks from one counter;
+      * with ``shared_beside`` (off by default: measured slower), an MoE layer's shared expert runs
+        on an idle worker while the compute thread routes and computes the routed experts
+        (runtime/layer/runner.py), joined before they are summed.
     The host pool (``--on-miss host``, runtime/misses/host_pool.py) keeps its own workers; with the
     default --host-threads they and the row workers share the second core in turn (a host job runs
     inside the MoE block, a row split in a dense product).
@@ -52,13 +53,15 @@ class ThreadPlan:
 
     Attributes:
         enabled: False runs every forward serially with torch's own threads (the reference).
-        shared_beside: run an MoE layer's shared expert on a worker beside the routed experts.
+        shared_beside: run an MoE layer's shared expert on a worker beside the routed experts. Off by
+            default: measured slower (the worker's Python and the compute thread's pass the GIL back
+            and forth at every op; docs/decisions.md 2026-12-02 "A thread plan for decode").
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = True
-        self.shared_beside = True
+        self.shared_beside = False
         self._pools: dict[int, row_pool.RowPool] = {}
 
     def applies(self, tokens: int, threads: int) -> bool:
