@@ -10,6 +10,11 @@ same way): ``w`` is a float32 or bfloat16 tensor [R, C] or a :class:`~moespec.ke
   - :func:`prepare` + :func:`run_rows` + :func:`finish`: the same product split by output rows, for
     threads (each call computes rows [r0, r1) and releases the GIL while the kernel runs).
 
+Threads (runtime/threads.ThreadPlan): inside a decode step with ``--threads`` > 1 the compute thread
+has one intra-op thread and a RowPool (kernels/row_pool.py) is active; :func:`linear` then cuts a
+weight of at least SPLIT_MIN_BYTES into row chunks that the caller and the pool's idle workers
+compute together. Bit-equal to the unsplit product (a row's sum does not depend on its chunk).
+
 Which kernel runs (:func:`plan`):
   - t <= FUSED_MAX_TOKENS (float32 weights: FUSED_MAX_TOKENS_F32), CPU tensors, kernels loaded: the native GEMV (csrc/): the weight is
     read once, low-bit codes are dequantised in registers. float32 activations: exact (float32
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moespec.kernels import native
+from moespec.kernels import native, row_pool
 from moespec.kernels.lowbit import LowBitWeight, dequantize
 
 # Above this many tokens a GEMM on dequantised weights beats the GEMV kernels (see README "Host
@@ -39,6 +44,14 @@ from moespec.kernels.lowbit import LowBitWeight, dequantize
 # low-bit rows were still 1.8-2x faster in the kernels at t = 16.
 FUSED_MAX_TOKENS = 16
 FUSED_MAX_TOKENS_F32 = 8
+# A product is split over the row pool's workers from this many weight bytes on, in chunks of about
+# CHUNK_BYTES (at most MAX_CHUNKS). Measured (docs/decisions.md 2026-12-02 "A thread plan for
+# decode"): waking a sleeping worker costs ~50 us on this idle VM, so splitting lost on every
+# product of 1-5 MB (q 1.3 MB 140 -> 199 us, down 2.4 MB 213 -> 256, gate_up 4.7 MB 365 -> 334) and
+# won on lm_head (113 MB, 10.3 -> 6.1 ms); end to end a 1 MiB threshold was 0.78x one thread, 16 MiB 0.91x.
+SPLIT_MIN_BYTES = 16 << 20
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 16
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
 
 
@@ -168,14 +181,43 @@ def rows_of(w) -> int:
     return w.rows if isinstance(w, LowBitWeight) else w.shape[0]
 
 
+def nbytes(w) -> int:
+    """Bytes one product with ``w`` reads (low-bit: codes, scales and zeros)."""
+    if isinstance(w, LowBitWeight):
+        return sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.zeros))
+    return w.numel() * w.element_size()
+
+
+def chunk_count(w) -> int:
+    """How many row chunks :func:`linear` cuts ``w`` into under a RowPool (1: not split)."""
+    b = nbytes(w)
+    return 1 if b < SPLIT_MIN_BYTES else max(2, min(MAX_CHUNKS, b // CHUNK_BYTES))
+
+
 def linear(x: torch.Tensor, w, act_int8: bool = False) -> torch.Tensor:
-    """x [T, C] @ w.T -> [T, R] in x's dtype, on the fastest path (see the module docstring)."""
+    """x [T, C] @ w.T -> [T, R] in x's dtype, on the fastest path (see the module docstring).
+
+    Under an active RowPool (a decode step of the thread plan) a big weight's rows are computed by
+    the caller and the pool's idle workers together; the result is the same bits.
+    """
     p = prepare(x, w, act_int8)
     if p.mode == "gemm":
         return F.linear(x, _dense_rows(w, 0, rows_of(w), x.dtype) if isinstance(w, LowBitWeight) else w)
-    y = new_output(p, rows_of(w))
-    run_rows(p, w, y, 0, rows_of(w))
+    rows = rows_of(w)
+    y = new_output(p, rows)
+    pool = row_pool.active()
+    parts = 1 if pool is None else chunk_count(w)
+    if parts > 1:
+        pool.split(lambda r0, r1: run_rows(p, w, y, r0, r1), rows, parts)
+    else:
+        run_rows(p, w, y, 0, rows)
     return finish(p, y)
+
+
+def linear_serial(x: torch.Tensor, w, act_int8: bool = False) -> torch.Tensor:
+    """:func:`linear` on this thread alone (no RowPool): the reference its row split is tested against."""
+    with row_pool.using(None):
+        return linear(x, w, act_int8)
 
 
 def quantize_act_reference(x: torch.Tensor, group_size: int) -> torch.Tensor:

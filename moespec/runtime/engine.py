@@ -127,8 +127,9 @@ class Engine:
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
-            out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
-                           **{self._cache_kw: self._kv})
+            with om.threads.step(len(new_ids)):  # who runs where (runtime/threads.py)
+                out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                               **{self._cache_kw: self._kv})
             logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()  # [T, V] or [V]
         except BaseException:
             self.abort()

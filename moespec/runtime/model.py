@@ -30,6 +30,7 @@ from moespec.runtime.layer.runner import MoeLayerRunner
 from moespec.runtime.misses.host_pool import HostExpertPool, default_host_threads
 from moespec.runtime.misses.planner import MissPlanner, measure_costs
 from moespec.runtime.stats import StatsRecorder
+from moespec.runtime.threads import ThreadPlan
 
 
 class OffloadedMoeBlock(nn.Module):
@@ -74,6 +75,7 @@ class OffloadedModel:
         planner: the miss planner and its host pool, made when a policy first runs misses on the host
             (``--on-miss host|auto``); None until then.
         compiled: the compiled dense path (runtime/compile.py) when ``--compile`` put one in, else None.
+        threads: the thread plan of its forwards (runtime/threads.py; ``threads.enabled = False``: serial).
     """
 
     model: nn.Module
@@ -89,6 +91,11 @@ class OffloadedModel:
     notes: list[str] = field(default_factory=list)
     planner: MissPlanner | None = None
     compiled: object | None = None  # runtime.compile.CompiledDense when decode steps run compiled
+    threads: ThreadPlan | None = None  # who runs where in a forward (runtime/threads.py); set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.threads is None:
+            self.threads = ThreadPlan(self.device)
 
     # --- what the MoE layers run with ------------------------------------------------------
     @property
@@ -179,6 +186,7 @@ class OffloadedModel:
         """Finish every copy and host job, stop the transfer engine, then unpin the host store."""
         if self.planner is not None:
             self.planner.close()
+        self.threads.close()
         self.cache.engine.close()
         self.store.close()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from moespec.config import ExecuteMode, OnMiss
+from moespec.kernels import row_pool
 from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NoPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
@@ -65,6 +66,7 @@ class MoeLayerRunner:
         self.observer = Observer()
         self.residual: dict[int, torch.Tensor] = {}  # layer -> r_l [.., H], set by a norm pre-hook
         self._decode_tok = torch.zeros(1, dtype=torch.long, device=cache.slots.device)  # [1] token index
+        self._has_shared = type(adapter).shared_output is not MoeAdapter.shared_output  # a family with shared experts
         self.use_policy(policy, planner)
 
     def use_policy(self, policy: LayerPolicy, planner: MissPlanner | None) -> None:
@@ -120,8 +122,12 @@ class MoeLayerRunner:
         stats = self.recorder.layer(block.layer)
         decode = x.shape[0] == 1
         self.misses.layer_started(not decode)  # decode layers feed the layer-time average
+        # The thread plan (runtime/threads.py): the shared expert on an idle row worker while this
+        # thread routes and computes the routed experts; None: computed here, after them.
+        pool = row_pool.active() if self._has_shared else None
+        ticket = pool.start(_with_modes(lambda: self.adapter.shared_output(block, x))) if pool is not None else None
         out = self._decode(block, x, stats) if decode else self._prefill(block, x, stats)
-        shared = self.adapter.shared_output(block, x)
+        shared = self.adapter.shared_output(block, x) if ticket is None else ticket.result()
         return out if shared is None else out + shared
 
     # --- decode: one token, every mode -------------------------------------------------------
@@ -251,6 +257,17 @@ class MoeLayerRunner:
             misses.observe_used(stats.prefetch_used - used)
             self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted)
         misses.collect(jobs, put, rec, stats)
+
+
+def _with_modes(fn):
+    """``fn`` wrapped to run under the caller's inference / grad mode (both are thread-local)."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run():
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn()
+
+    return run
 
 
 def _one(e: int) -> int:
