@@ -82,3 +82,25 @@ def test_guard_substitutes_best_resident_and_keeps_mass():
     assert guard_routing(r, resident={0, 3}, threshold=0.0).routing is r  # τ=0 fetches: unchanged
     heavy = guard_routing(r, resident={1}, threshold=0.5)  # expert 0 (w≈0.73) is fetched anyway
     assert heavy.routing.ids.tolist() == [[1, 0]] or 0 in heavy.routing.ids.tolist()[0]
+
+
+def test_one_token_prefill_is_exact_in_speculative_mode(tiny_models):
+    # A new chat turn (or a resumed prompt) can add exactly one token after the reused KV: that
+    # forward is a prefill and must be exact, although it runs one token like a decode step.
+    folder = tiny_models["mixtral"]
+    ids = PROMPT + [7]
+    logits = {}
+    for mode in (ExecuteMode.EXACT, ExecuteMode.SPECULATIVE):
+        om = load_offloaded(folder, RuntimeConfig(cache_experts=4, execute=mode, predictor=Predictor.ROUTER),
+                            StatsRecorder())
+        try:
+            engine = Engine(om)
+            engine.prefill(PROMPT)
+            logits[mode] = engine.prefill(ids)  # reuses PROMPT's KV: one new token, kind "prefill"
+            assert engine.reused_tokens == len(PROMPT)
+            last = om.recorder.steps[-1]
+            assert last.kind == "prefill" and last.tokens == 1
+            assert last.total().skipped == 0  # nothing speculated away in a prefill
+        finally:
+            om.close()
+    torch.testing.assert_close(logits[ExecuteMode.SPECULATIVE], logits[ExecuteMode.EXACT], rtol=0, atol=1e-5)

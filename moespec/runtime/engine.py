@@ -123,7 +123,7 @@ class Engine:
         if self._kv is None:
             self._kv = DynamicCache(config=om.config)
             kvcache.record_past(self._kv)  # sliding-window layers stay cuttable (kv.py)
-        om.reset_step()
+        om.reset_step(prefill=kind == "prefill")
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:

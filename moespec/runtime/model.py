@@ -165,9 +165,11 @@ class OffloadedModel:
         """The prefetch pins held for later layers."""
         return self.runner.ledger
 
-    def reset_step(self) -> None:
-        """Drop what a forward left behind (prefetch pins, predictions); the engine does it before each."""
-        self.runner.reset_step()
+    def reset_step(self, prefill: bool = False) -> None:
+        """Drop what a forward left behind (prefetch pins, predictions); the engine does it before each.
+
+        ``prefill``: the next forward is a prefill (exact in every mode, even a one-token one)."""
+        self.runner.reset_step(prefill)
 
     def abort(self) -> None:
         """After a forward that raised: cancel queued copies, drop every pin and the forward's state."""

@@ -66,6 +66,7 @@ class MoeLayerRunner:
         self.observer = Observer()
         self.residual: dict[int, torch.Tensor] = {}  # layer -> r_l [.., H], set by a norm pre-hook
         self._decode_tok = torch.zeros(1, dtype=torch.long, device=cache.slots.device)  # [1] token index
+        self._prefill_forward = False  # set per forward by reset_step
         self._has_shared = type(adapter).shared_output is not MoeAdapter.shared_output  # a family with shared experts
         self.use_policy(policy, planner)
 
@@ -81,8 +82,13 @@ class MoeLayerRunner:
             gate = PredictionGate(link_ms_per_copy(self.cache)) if gated else None
             self.prefetcher = Prefetcher(policy.predictor, self.ledger, self.misses, gate)
 
-    def reset_step(self) -> None:
-        """Drop per-forward state; release prefetch pins a previous forward left behind."""
+    def reset_step(self, prefill: bool = False) -> None:
+        """Drop per-forward state; release prefetch pins a previous forward left behind.
+
+        ``prefill``: the coming forward is a prefill, exact in every mode even when it runs one
+        token (a new chat turn or a resumed prompt can add exactly one token after the reused KV).
+        """
+        self._prefill_forward = prefill
         self.ledger.drop(cancel=False)
         self.misses.layer_started(True)
         self._clear_forward_state()
@@ -120,7 +126,7 @@ class MoeLayerRunner:
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""
         stats = self.recorder.layer(block.layer)
-        decode = x.shape[0] == 1
+        decode = x.shape[0] == 1 and not self._prefill_forward  # prefill is exact (design.md)
         self.misses.layer_started(not decode)  # decode layers feed the layer-time average
         # The thread plan (runtime/threads.py): the shared expert on an idle row worker while this
         # thread routes and computes the routed experts; None: computed here, after them.
