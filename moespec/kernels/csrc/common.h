@@ -1,4 +1,4 @@
-/* moespec CPU kernels (common.h: shared helpers; t1.c, tokens.c, a8.c, expert.c): y[t, r] = sum_c x[t, c] * W[r, c] for a row range [r0, r1) of one weight.
+/* moespec CPU kernels (common.h: shared helpers; t1.c, tokens.c, tiles.c, a8.c, expert.c): y[t, r] = sum_c x[t, c] * W[r, c] for a row range [r0, r1) of one weight.
  *
  * Shapes: T tokens, R rows (output features), C columns (input features), g group size,
  * G = ceil(C / g) groups per row. x is float32 [T, ldx], y float32 [T, ldy]; rows are independent, so
@@ -15,8 +15,9 @@
  *
  * Exact kernels (float32 activations, float32 accumulation): for t = 1 the group's zero point is
  * factored out, sum_c (q_c - z) s x_c = s * (sum_c q_c x_c - z * sum_c x_c), so each weight costs
- * one integer->float conversion and one FMA; for t > 1 two rows are dequantised exactly as the
- * reference does ((q - z) * s, one rounding) and multiplied with up to 4 tokens at a time.
+ * one integer->float conversion and one FMA; for t > 1 rows are dequantised exactly as the
+ * reference does ((q - z) * s, one rounding) and multiplied with every token: t < TILES_MIN_T up to
+ * 4 tokens at a time (tokens.c), more as register tiles of rows x 8 or 16 tokens (tiles.c).
  *
  * a8 kernels (int8 activations): each token's activations are quantised per weight group to int8
  * with one float32 scale (d = max|x| / 127, round to nearest even), and the dot products are integer
@@ -124,6 +125,13 @@ static inline float row_prep(const uint16_t* s, const uint8_t* z, const float* d
 void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs);
 int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
                   const uint8_t* zeros, const float* xs, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
+/* t >= TILES_MIN_T tokens: linear_tiles (tiles.c, each weight read once for every token); 2 <= t < it:
+ * linear_tokens (tokens.c; measured faster there: a tile of 8 tokens computes padding lanes). */
+#define TILES_MIN_T 5
+int linear_tiles(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
+                 const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
+void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, i64 r, i64 k0,
+                 i64 k1, float* out);
 int linear_tokens(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
                   const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
 void dequant_q4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* out,

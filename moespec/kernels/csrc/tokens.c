@@ -18,7 +18,7 @@ static inline void copy_floats(float* dst, const float* src, i64 n) {
 }
 
 /* Columns [k0, k1) of row r, dequantised into out[0 .. k1 - k0) (k0 a multiple of 32). */
-static void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
                         i64 r, i64 k0, i64 k1, float* out) {
     if (kind == KIND_BF16) {
         const uint16_t* p = (const uint16_t*)w + r * C;
