@@ -82,8 +82,9 @@ def test_prefill_chunks_and_other_devices_take_the_gemm_path():
     finally:
         torch.set_num_threads(1)
     assert L.plan(x1, dense) == "fused"
-    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64), dense) == "gemm"  # float32 rows: MKL from t = 9
-    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64).bfloat16(), dense.bfloat16()) == "fused"
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32, 64), dense) == "fused"  # float32 rows: tiles to t = 16
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64), dense) == "gemm"  # then MKL
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS, 64).bfloat16(), dense.bfloat16()) == "fused"
 
 
 def test_rows_split_over_calls_equal_one_call():

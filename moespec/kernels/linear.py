@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from moespec.kernels import native
 from moespec.kernels.lowbit import LowBitWeight, dequantize
 
-# Above this many tokens a GEMM on dequantised weights beats the GEMV kernels (see README "Host
-# experts"): the kernels' work grows with t while a GEMM's per-token cost falls. Measured on this
-# project's CPU (one thread, Qwen3-30B-A3B expert): float32 rows at t = 16 took 9.8 ms in the kernels
-# and 8.1 ms in F.linear (MKL), at t = 4 4.5 against 6.2 ms, so float32 stops at 8; bfloat16 and
-# low-bit rows were still 1.8-2x faster in the kernels at t = 16.
+# Above this many tokens a GEMM on dequantised weights beats the kernels (see README "Host
+# experts"): prefill chunks go to F.linear. Since the token tiles (csrc/tiles.c: each weight read
+# once and broadcast against 8 or 16 tokens) float32 rows too stay on the kernels up to 16 tokens:
+# one thread, a Qwen3-30B-A3B expert at t = 16, about 2.2-2.9 ms in the tiles against 4.5-4.9 ms
+# through F.linear (MKL) (scripts/host_expert_bench.py, exclusive lock).
 FUSED_MAX_TOKENS = 16
-FUSED_MAX_TOKENS_F32 = 8
+FUSED_MAX_TOKENS_F32 = 16  # kept as a name (swiglu.py and callers read it); was 8 before the tiles
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
 
 
