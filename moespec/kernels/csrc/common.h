@@ -83,12 +83,18 @@ static inline i64 pf_ahead(i64 rb, i64 rows_per_block) {
 /* prefetcht1 (into L2), not t0: measured on this project's AMD EPYC VM (24 cold Qwen3-shaped
  * experts, one thread, exclusive lock, best of 10 passes, two rounds): int8 t = 1 0.36-0.41 ms
  * with t1 against 0.54-0.59 with t0 at every distance from 1 to 16 KiB (t0 requests hold the
- * L1's few miss buffers); int4 within the noise (0.25-0.35 either way). */
+ * L1's few miss buffers); w8a8 / w4a8 faster too in the benchmark (0.72-0.84 -> 0.43-0.55 ms,
+ * 0.48-0.52 -> 0.38-0.41); the exact int4 kernel keeps t0 (pf_span_t0). */
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
 static inline __attribute__((always_inline)) void pf_span(const uint8_t* p, i64 n) {
     for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, PF_HINT);
+}
+/* The exact int4 t = 1 kernel keeps t0: with t1 it measured slower in the same hold (24 cold
+ * experts, best of 10: 0.336 / 0.322 ms with t0, 0.366 / 0.450 with t1). */
+static inline __attribute__((always_inline)) void pf_span_t0(const uint8_t* p, i64 n) {
+    for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_Q8 = 2, KIND_Q4 = 3 };
