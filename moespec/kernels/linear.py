@@ -35,8 +35,8 @@ from moespec.kernels.lowbit import LowBitWeight, dequantize
 # Above this many tokens a GEMM on dequantised weights beats the kernels (see README "Host
 # experts"): prefill chunks go to F.linear. Since the token tiles (csrc/tiles.c: each weight read
 # once and broadcast against 8 or 16 tokens) float32 rows too stay on the kernels up to 16 tokens:
-# one thread, a Qwen3-30B-A3B expert at t = 16, about 2.2-2.9 ms in the tiles against 4.5-4.9 ms
-# through F.linear (MKL) (scripts/host_expert_bench.py, exclusive lock).
+# one thread, a Qwen3-30B-A3B expert at t = 16 from memory, 3.08 / 3.24 ms in the tiles against
+# 4.63 / 4.20 ms through F.linear (MKL) (scripts/host_expert_bench.py, two paired runs, exclusive lock).
 FUSED_MAX_TOKENS = 16
 FUSED_MAX_TOKENS_F32 = 16  # kept as a name (swiglu.py and callers read it); was 8 before the tiles
 _KIND = {torch.float32: native.KIND_F32, torch.bfloat16: native.KIND_BF16}
