@@ -37,7 +37,7 @@ SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128)
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows,cols,group", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 9, 16])  # 1: t1.c; 3: tokens.c; 5, 9, 16: tiles.c (8, 16 wide)
 def test_lowbit_kernels_equal_dequantise_then_linear(bits, rows, cols, group, tokens):
     w = _lowbit(bits, rows, cols, group)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(1))
@@ -59,7 +59,7 @@ def test_native_dequantisation_is_bit_for_bit_the_reference(bits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(37, 80), (5, 13), (64, 576)])
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_dense_kernels_equal_linear(dtype, rows, cols, tokens):
     gen = torch.Generator().manual_seed(2)
     w, x = torch.randn(rows, cols, generator=gen).to(dtype), torch.randn(tokens, cols, generator=gen).to(dtype)
@@ -82,8 +82,9 @@ def test_prefill_chunks_and_other_devices_take_the_gemm_path():
     finally:
         torch.set_num_threads(1)
     assert L.plan(x1, dense) == "fused"
-    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64), dense) == "gemm"  # float32 rows: MKL from t = 9
-    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64).bfloat16(), dense.bfloat16()) == "fused"
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32, 64), dense) == "fused"  # float32 rows: tiles to t = 16
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS_F32 + 1, 64), dense) == "gemm"  # then MKL
+    assert L.plan(torch.randn(L.FUSED_MAX_TOKENS, 64).bfloat16(), dense.bfloat16()) == "fused"
 
 
 def test_rows_split_over_calls_equal_one_call():
@@ -95,6 +96,30 @@ def test_rows_split_over_calls_equal_one_call():
     for r0, r1 in ((0, 17), (17, 18), (18, 50)):
         L.run_rows(p, w, y, r0, r1)
     assert torch.equal(L.finish(p, y), L.linear(x, w))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 0])  # 0: bfloat16 rows
+@pytest.mark.parametrize("tokens", [5, 16, 20, 33])  # 20, 33: several tiles of 16 (the C entry point)
+def test_token_tiles_equal_the_reference_with_row_splits(bits, tokens):
+    """csrc/tiles.c straight from C (any t, not just <= FUSED_MAX_TOKENS), rows split over calls:
+    within 2e-6 of dequantise-then-F.linear in float32 (same products, another order of the sum)."""
+    rows, cols = 45, 80
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(3))
+    y = torch.full((tokens, rows), float("nan"))
+    lib = native.library()
+    if bits:
+        w = _lowbit(bits, rows, cols, 32, seed=tokens)
+        want = torch.nn.functional.linear(x, dequantize(w, torch.float32))
+        kind = native.KIND_Q4 if bits == 4 else native.KIND_Q8
+        args = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), None, cols, 32)
+    else:
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+        want = torch.nn.functional.linear(x, w.float())
+        kind = native.KIND_BF16
+        args = (w.data_ptr(), None, None, None, cols, 0)
+    for r0, r1 in ((0, 7), (7, 30), (30, 45)):
+        assert lib.linear_f32act(kind, x.data_ptr(), tokens, cols, *args, y.data_ptr(), rows, r0, r1) == 0
+    assert _rel(y, want) < 2e-6
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "w4a8"])

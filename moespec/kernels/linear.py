@@ -37,13 +37,13 @@ import torch.nn.functional as F
 from moespec.kernels import native, row_pool
 from moespec.kernels.lowbit import LowBitWeight, dequantize
 
-# Above this many tokens a GEMM on dequantised weights beats the GEMV kernels (see README "Host
-# experts"): the kernels' work grows with t while a GEMM's per-token cost falls. Measured on this
-# project's CPU (one thread, Qwen3-30B-A3B expert): float32 rows at t = 16 took 9.8 ms in the kernels
-# and 8.1 ms in F.linear (MKL), at t = 4 4.5 against 6.2 ms, so float32 stops at 8; bfloat16 and
-# low-bit rows were still 1.8-2x faster in the kernels at t = 16.
+# Above this many tokens a GEMM on dequantised weights beats the kernels (see README "Host
+# experts"): prefill chunks go to F.linear. Since the token tiles (csrc/tiles.c: each weight read
+# once and broadcast against 8 or 16 tokens) float32 rows too stay on the kernels up to 16 tokens:
+# one thread, a Qwen3-30B-A3B expert at t = 16 from memory, 3.08 / 3.24 ms in the tiles against
+# 4.63 / 4.20 ms through F.linear (MKL) (scripts/host_expert_bench.py, two paired runs, exclusive lock).
 FUSED_MAX_TOKENS = 16
-FUSED_MAX_TOKENS_F32 = 8
+FUSED_MAX_TOKENS_F32 = 16  # kept as a name (swiglu.py and callers read it); was 8 before the tiles
 # A product is split over the row pool's workers from this many weight bytes on, in chunks of about
 # CHUNK_BYTES (at most MAX_CHUNKS). Measured (docs/decisions.md 2026-12-02 "A thread plan for
 # decode"): waking a sleeping worker costs ~50 us on this idle VM, so splitting lost on every

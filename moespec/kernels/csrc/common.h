@@ -1,4 +1,4 @@
-/* moespec CPU kernels (common.h: shared helpers; t1.c, tokens.c, a8.c, expert.c): y[t, r] = sum_c x[t, c] * W[r, c] for a row range [r0, r1) of one weight.
+/* moespec CPU kernels (common.h: shared helpers; t1.c, tokens.c, tiles.c, a8.c, expert.c): y[t, r] = sum_c x[t, c] * W[r, c] for a row range [r0, r1) of one weight.
  *
  * Shapes: T tokens, R rows (output features), C columns (input features), g group size,
  * G = ceil(C / g) groups per row. x is float32 [T, ldx], y float32 [T, ldy]; rows are independent, so
@@ -15,8 +15,9 @@
  *
  * Exact kernels (float32 activations, float32 accumulation): for t = 1 the group's zero point is
  * factored out, sum_c (q_c - z) s x_c = s * (sum_c q_c x_c - z * sum_c x_c), so each weight costs
- * one integer->float conversion and one FMA; for t > 1 two rows are dequantised exactly as the
- * reference does ((q - z) * s, one rounding) and multiplied with up to 4 tokens at a time.
+ * one integer->float conversion and one FMA; for t > 1 rows are dequantised exactly as the
+ * reference does ((q - z) * s, one rounding) and multiplied with every token: t < TILES_MIN_T up to
+ * 4 tokens at a time (tokens.c), more as register tiles of rows x 8 or 16 tokens (tiles.c).
  *
  * a8 kernels (int8 activations): each token's activations are quantised per weight group to int8
  * with one float32 scale (d = max|x| / 127, round to nearest even), and the dot products are integer
@@ -79,7 +80,20 @@ static inline i64 pf_ahead(i64 rb, i64 rows_per_block) {
     const i64 blk = rb * rows_per_block;
     return (PF_BYTES + blk - 1) / blk * blk;  /* whole row blocks ahead: the same columns of later rows */
 }
+/* prefetcht1 (into L2), not t0: measured on this project's AMD EPYC VM (24 cold Qwen3-shaped
+ * experts, one thread, exclusive lock, best of 10 passes, two rounds): int8 t = 1 0.36-0.41 ms
+ * with t1 against 0.54-0.59 with t0 at every distance from 1 to 16 KiB (t0 requests hold the
+ * L1's few miss buffers); w8a8 / w4a8 faster too in the benchmark (0.72-0.84 -> 0.43-0.55 ms,
+ * 0.48-0.52 -> 0.38-0.41); the exact int4 kernel keeps t0 (pf_span_t0). */
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
 static inline __attribute__((always_inline)) void pf_span(const uint8_t* p, i64 n) {
+    for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, PF_HINT);
+}
+/* The exact int4 t = 1 kernel keeps t0: with t1 it measured slower in the same hold (24 cold
+ * experts, best of 10: 0.336 / 0.322 ms with t0, 0.366 / 0.450 with t1). */
+static inline __attribute__((always_inline)) void pf_span_t0(const uint8_t* p, i64 n) {
     for (i64 o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
@@ -124,6 +138,13 @@ static inline float row_prep(const uint16_t* s, const uint8_t* z, const float* d
 void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs);
 int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
                   const uint8_t* zeros, const float* xs, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
+/* t >= TILES_MIN_T tokens: linear_tiles (tiles.c, each weight read once for every token); 2 <= t < it:
+ * linear_tokens (tokens.c; measured faster there: a tile of 8 tokens computes padding lanes). */
+#define TILES_MIN_T 5
+int linear_tiles(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
+                 const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
+void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, i64 r, i64 k0,
+                 i64 k1, float* out);
 int linear_tokens(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
                   const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
 void dequant_q4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* out,

@@ -111,8 +111,13 @@ static inline __attribute__((always_inline)) void lowbit_t1(const int bits, cons
             __m256 p0 = _mm256_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
             i64 k = k0;
             if (((k0 * bits / 8) & 63) == 0) {  /* once per 64 bytes of each row (g * bits / 8 <= 64) */
-                pf_span(b0 + k0 * bits / 8 + ahead, g * bits / 8);
-                pf_span(b1 + k0 * bits / 8 + ahead, g * bits / 8);
+                if (bits == 4) {
+                    pf_span_t0(b0 + k0 / 2 + ahead, g / 2);
+                    pf_span_t0(b1 + k0 / 2 + ahead, g / 2);
+                } else {
+                    pf_span(b0 + k0 + ahead, g);
+                    pf_span(b1 + k0 + ahead, g);
+                }
             }
             if (bits == 4) {
                 for (; k + 32 <= k1; k += 32) {
@@ -174,5 +179,6 @@ int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const
             default: return -1;
         }
     }
+    if (T >= TILES_MIN_T) return linear_tiles(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1);
     return linear_tokens(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1);
 }

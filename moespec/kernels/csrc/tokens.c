@@ -18,7 +18,7 @@ static inline void copy_floats(float* dst, const float* src, i64 n) {
 }
 
 /* Columns [k0, k1) of row r, dequantised into out[0 .. k1 - k0) (k0 a multiple of 32). */
-static void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
+void decode_cols(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g,
                         i64 r, i64 k0, i64 k1, float* out) {
     if (kind == KIND_BF16) {
         const uint16_t* p = (const uint16_t*)w + r * C;
@@ -33,29 +33,36 @@ static void decode_cols(int kind, const void* w, const uint16_t* scales, const u
     const i64 G = (C + g - 1) / g;
     const uint8_t* zr = zeros + r * G;
     const uint16_t* sr = scales + r * G;
-#define DQ(v, dst, j) _mm256_storeu_ps((dst), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32((v), \
-                          _mm256_set1_epi32(zr[j]))), _mm256_set1_ps(half_to_float(sr[j]))))
-    if (kind == KIND_Q8) {
-        const uint8_t* b = (const uint8_t*)w + r * C;
-        for (i64 k = k0; k < k1; k += 8) DQ(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k))), out + k - k0, k / g);
-        return;
-    }
-    const uint8_t* b = (const uint8_t*)w + r * (C / 2);
+    /* one group at a time, its zero and scale broadcast once (per 8 codes they cost as much as the
+     * codes' own conversion); k0 and k1 are multiples of 16, groups multiples of 32 */
+#define DQ(v, dst) _mm256_storeu_ps((dst), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32((v), zv)), sv))
     const __m256i m15 = _mm256_set1_epi32(15);
-    i64 k = k0;
-    for (; k + 32 <= k1 && k + 32 <= C / 32 * 32; k += 32) {
-        const i64 j = k / g;
-        __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
-        __m256i v0 = _mm256_cvtepu8_epi32(bb), v1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bb, bb));
-        DQ(_mm256_and_si256(v0, m15), out + k - k0, j);
-        DQ(_mm256_and_si256(v1, m15), out + k - k0 + 8, j);
-        DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 16, j);
-        DQ(_mm256_srli_epi32(v1, 4), out + k - k0 + 24, j);
-    }
-    if (k < k1) {  /* the row's last block of 16 */
-        __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k / 2)));
-        DQ(_mm256_and_si256(v0, m15), out + k - k0, k / g);
-        DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 8, k / g);
+    for (i64 ka = k0; ka < k1;) {
+        const i64 j = ka / g, kb = (j + 1) * g < k1 ? (j + 1) * g : k1;
+        const __m256i zv = _mm256_set1_epi32(zr[j]);
+        const __m256 sv = _mm256_set1_ps(half_to_float(sr[j]));
+        i64 k = ka;
+        if (kind == KIND_Q8) {
+            const uint8_t* b = (const uint8_t*)w + r * C;
+            for (; k < kb; k += 8) DQ(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k))), out + k - k0);
+        } else {
+            const uint8_t* b = (const uint8_t*)w + r * (C / 2);
+            for (; k + 32 <= kb && k + 32 <= C / 32 * 32; k += 32) {
+                __m128i bb = _mm_loadu_si128((const __m128i*)(b + k / 2));
+                __m256i v0 = _mm256_cvtepu8_epi32(bb), v1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bb, bb));
+                DQ(_mm256_and_si256(v0, m15), out + k - k0);
+                DQ(_mm256_and_si256(v1, m15), out + k - k0 + 8);
+                DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 16);
+                DQ(_mm256_srli_epi32(v1, 4), out + k - k0 + 24);
+            }
+            if (k < kb) {  /* the row's last block of 16 */
+                __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + k / 2)));
+                DQ(_mm256_and_si256(v0, m15), out + k - k0);
+                DQ(_mm256_srli_epi32(v0, 4), out + k - k0 + 8);
+                k += 16;
+            }
+        }
+        ka = kb;
     }
 #undef DQ
 }
