@@ -221,3 +221,36 @@ def load_safetensors_with_meta(path: Path, kind: str, fmt: str, max_version: int
         raise CalibrationError(f"{name} holds NaN or infinite values in {bad[0]}{more}: a corrupt {kind} file", redo)
     meta.pop(DIGEST_KEY, None)
     return meta, tensors
+
+
+class AtomicFile:
+    """:func:`atomic_path` for a writer that cannot sit inside one ``with`` block (e.g. one that writes
+    while a generator yields): the same locked temp folder, swept the same way after a SIGKILL.
+
+    ``tmp`` is the path to write; :meth:`commit` syncs it and renames it onto the target;
+    :meth:`discard` drops it (idempotent; a no-op after commit).
+
+    Raises:
+        OutputError: from the constructor (unwritable folder, a disk that cannot hold ``size``) and
+            from :meth:`commit` (the write failed), as atomic_path raises them.
+    """
+
+    def __init__(self, path: str | os.PathLike, size: int | None = None) -> None:
+        self._cm = atomic_path(path, size=size)
+        self.tmp: Path = self._cm.__enter__()
+        self._open = True
+
+    def commit(self) -> None:
+        if self._open:
+            self._open = False
+            self._cm.__exit__(None, None, None)
+
+    def discard(self) -> None:
+        if self._open:
+            self._open = False
+            drop = _Discarded()
+            self._cm.__exit__(_Discarded, drop, None)  # atomic_path re-raises it: __exit__ returns False
+
+
+class _Discarded(Exception):
+    """Thrown into atomic_path by AtomicFile.discard: what an exception inside its ``with`` does."""
