@@ -239,6 +239,22 @@ def test_the_dense_cache_is_skipped_with_a_note_when_it_cannot_be_written(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_dense_cache_that_cannot_be_written_is_a_note_of_the_load(tmp_path, q8, monkeypatch):
+    from moespec import fsutil
+    from moespec.gguf import dense_cache
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 100)
+    om = load_offloaded(folder, RuntimeConfig(dtype="float32", cache_experts=4))
+    try:
+        assert any("dense weights are not cached" in n for n in om.notes), om.notes
+    finally:
+        om.close()
+    assert not dense_cache.cache_file(folder, torch.float32).exists() and not list(folder.glob(".*.tmp"))
+
+
 def test_header_walk_equals_gguf_reader(q8):
     """reader._parse (the fast walk) reads what gguf's GGUFReader reads: metadata and tensor table."""
     from gguf import GGUFReader

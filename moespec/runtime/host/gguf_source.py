@@ -51,6 +51,7 @@ class GgufSource:
     def __init__(self, folder: Path, ck: GgufCheckpoint, marker: dict) -> None:
         self.folder, self.ck, self._marker = Path(folder), ck, marker
         self._config = None
+        self.notes: list[str] = []  # one line each for the user (a dense cache that could not be written)
 
     @classmethod
     def open(cls, folder: Path) -> GgufSource:
@@ -177,6 +178,8 @@ class GgufSource:
                 writer.write(plan.name, tensor)
                 yield SourceTensor(None, adapter.dense_name(plan.name), tensor, self.ck.files.name)
             writer.finish()
+            if writer.note is not None:
+                self.notes.append(writer.note)
         finally:
             writer.abort()  # a no-op once finished; drops a half-written file when loading stopped
 
