@@ -210,7 +210,7 @@ def test_a_flipped_byte_in_the_dense_cache_is_found_and_the_cache_made_again(tmp
     good = cache.read_bytes()
     head = 8 + int.from_bytes(good[:8], "little")
     meta = json.loads(json.loads(good[8:head])["__metadata__"][dense_cache.META_KEY])
-    digit = good.index(sorted(meta["digests"].values())[0].encode()) + 5  # a digit of a checksum
+    digit = good.index(min(meta["digests"].values()).encode()) + 5  # a digit of a checksum
     calls = []
     real = source.GgufSource._dense
     monkeypatch.setattr(source.GgufSource, "_dense", lambda self, *a: calls.append(a) or real(self, *a))
@@ -272,3 +272,36 @@ def test_header_walk_equals_gguf_reader(q8):
             continue
         value = field.contents()
         assert fields[key] == (value if not isinstance(value, list) or len(value) <= 256 else {"array_length": len(value)}), key
+
+
+def test_a_prepare_killed_half_way_is_swept_by_the_next(tmp_path, q8, monkeypatch):
+    """SIGKILL while the prepared folder is built: its locked temp folder is swept by the next prepare."""
+    import signal
+    import time
+
+    from moespec import tempfiles
+    from moespec.gguf import sidecar
+
+    monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    parent = sidecar.sidecar_dir("x").parent
+    pid = os.fork()
+    if pid == 0:  # the child: stops inside the build, to be killed
+        try:
+            sidecar._write_tokenizer = lambda files, folder: time.sleep(600)
+            resolve_model(str(path))
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    try:
+        while not (temps := sorted(parent.glob(".*.tmp")) if parent.is_dir() else []) \
+                or not (temps[0] / "config.json").is_file():
+            assert time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0], "the temp never appeared"
+            time.sleep(0.005)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert tempfiles.stale_temps(parent) == temps  # its lock died with it
+    folder = resolve_model(str(path))
+    assert (folder / "config.json").is_file() and not list(parent.glob(".*.tmp"))
