@@ -231,8 +231,10 @@ def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BY
     By default the thread starts on the chunks only once all are read: the read then runs alone and
     as fast as without checks, and the hashing (from memory, ~20 GB/s) overlaps what the caller does
     next. ``interleave=True`` hands each chunk over as soon as it is read, to be hashed from the
-    CPU's cache while the next is read; on this project's 2-core VM the two threads slowed each
-    other's memory traffic and the read took 1.13-1.45x as long (scripts/integrity_cost.py).
+    CPU's cache while the next is read; on this project's 2-core VM the two threads slow each
+    other down: the default model's int4 store, page cache, exclusive lock, 31 rounds: 1.12x the
+    unchecked read handed over chunk by chunk, 1.10x handed over at the end; from disk 1.17x and
+    1.12x (scripts/integrity_cost.py).
 
     Raises:
         OSError: reading failed (the hashing thread is stopped first).
