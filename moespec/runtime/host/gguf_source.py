@@ -164,12 +164,15 @@ class GgufSource:
         specs = [(p.name, self._dense_dtype([self.ck.tensors[s] for s in p.sources], dtype), p.shape) for p in plans]
         digests = cached_digests(cache, specs, dtype, self.fingerprint())
         if digests is not None:
-            for name, tensor, file in iter_tensors([cache]):
+            cached = iter_tensors([cache])
+            for name, tensor, file in cached:
                 if tensor_digest(name, tensor) != digests[name]:  # damaged: dequantised (and cached) again
                     break
                 yield SourceTensor(None, adapter.dense_name(name), tensor, file.name, mapped=True)
             else:
                 return
+            del tensor
+            cached.close()  # drops its mapping of the damaged file
             cache.unlink(missing_ok=True)
         writer = DenseCacheWriter(cache, specs, dtype, self.fingerprint())
         try:
