@@ -233,8 +233,8 @@ def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BY
     next. ``interleave=True`` hands each chunk over as soon as it is read, to be hashed from the
     CPU's cache while the next is read; on this project's 2-core VM the two threads slow each
     other down: the default model's int4 store, page cache, exclusive lock, 31 rounds: 1.12x the
-    unchecked read handed over chunk by chunk, 1.10x handed over at the end; from disk 1.17x and
-    1.12x (scripts/integrity_cost.py).
+    unchecked read handed over chunk by chunk, 1.10-1.12x handed over at the end (two holds); from
+    disk 1.17x and 1.12x (scripts/integrity_cost.py).
 
     Raises:
         OSError: reading failed (the hashing thread is stopped first).
