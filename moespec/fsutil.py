@@ -135,6 +135,41 @@ def temp_folder_beside(folder: Path, prefix: str) -> Path:
                           "set MOESPEC_HOME to a writable folder") from exc
 
 
+@contextlib.contextmanager
+def atomic_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield a new temp folder to build ``folder`` in; it replaces ``folder`` only on success.
+
+    The temp folder is ``.NAME.XXXXXXXX.tmp`` beside ``folder``, locked while it is built, like an
+    :func:`atomic_path` temp: an exception or Ctrl-C removes it, and after a SIGKILL the next build of
+    ``folder`` sweeps it, as does ``moespec models --clean``. An old ``folder`` is removed just
+    before the rename (a kill in between leaves no folder: the next run builds it again).
+
+    Raises:
+        OutputError: the parent folder is not writable (names it).
+    """
+    from moespec import tempfiles
+
+    folder = Path(folder)
+    prefix, suffix = tempfiles.temp_name(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tempfiles.sweep_target(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=folder.parent))
+    except OSError as exc:
+        raise OutputError(f"cannot write to {folder.parent}: {exc.strerror or exc}",
+                          "set MOESPEC_HOME to a writable folder") from exc
+    lock = tempfiles.lock_fd(tmp)
+    try:
+        yield tmp
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
+        if lock is not None:
+            os.close(lock)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str, force: bool = True) -> None:
     """Write ``text`` to ``path`` atomically (see :func:`atomic_path`)."""
     with atomic_path(path, force=force) as tmp:
@@ -221,3 +256,36 @@ def load_safetensors_with_meta(path: Path, kind: str, fmt: str, max_version: int
         raise CalibrationError(f"{name} holds NaN or infinite values in {bad[0]}{more}: a corrupt {kind} file", redo)
     meta.pop(DIGEST_KEY, None)
     return meta, tensors
+
+
+class AtomicFile:
+    """:func:`atomic_path` for a writer that cannot sit inside one ``with`` block (e.g. one that writes
+    while a generator yields): the same locked temp folder, swept the same way after a SIGKILL.
+
+    ``tmp`` is the path to write; :meth:`commit` syncs it and renames it onto the target;
+    :meth:`discard` drops it (idempotent; a no-op after commit).
+
+    Raises:
+        OutputError: from the constructor (unwritable folder, a disk that cannot hold ``size``) and
+            from :meth:`commit` (the write failed), as atomic_path raises them.
+    """
+
+    def __init__(self, path: str | os.PathLike, size: int | None = None) -> None:
+        self._cm = atomic_path(path, size=size)
+        self.tmp: Path = self._cm.__enter__()
+        self._open = True
+
+    def commit(self) -> None:
+        if self._open:
+            self._open = False
+            self._cm.__exit__(None, None, None)
+
+    def discard(self) -> None:
+        if self._open:
+            self._open = False
+            drop = _Discarded()
+            self._cm.__exit__(_Discarded, drop, None)  # atomic_path re-raises it: __exit__ returns False
+
+
+class _Discarded(Exception):
+    """Thrown into atomic_path by AtomicFile.discard: what an exception inside its ``with`` does."""

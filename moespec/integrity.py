@@ -4,10 +4,10 @@ Every safetensors file moespec writes for itself (calibration, estimators, the q
 store, estimator states, default-model build checkpoints) carries in its header a checksum of its
 tensor DATA, not only of the header: xxHash's XXH3-128 over each tensor's name, dtype, shape and
 bytes in name order (fast and non-cryptographic: a damaged file, not a forged one). A large file
-(the quantised expert store) is read with :func:`read_hashed`: each chunk is hashed while it is
-still in the CPU's cache, on a second thread, while the next chunk is read, so the check costs
-little more than the read itself (scripts/integrity_cost.py; README, "Files and faults"). A file
-without a checksum (written before it existed) is read as before.
+(the quantised expert store) is read with :func:`start_read_hashed`: the read runs alone, then
+a second thread hashes and checks what was read while the caller loads something else (the dense
+weights), so the load waits for little more than the read itself (scripts/integrity_cost.py;
+README, "Files and faults"). A file without a checksum (written before it existed) is read as before.
 
 On a mismatch a cache is rebuilt and a user's file refused with one line; a tensor that must be
 finite and is not (NaN/Inf) is refused the same way, since a NaN default vector or estimator weight
@@ -222,17 +222,32 @@ def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
 
 
 def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
-                      check: Callable[[int, int], bool] | None = None) -> HashedRead:
-    """:func:`read_hashed` with the hashing and ``check`` on a second thread while the next chunk
-    is read (xxhash and numpy release the GIL), returning once the last chunk is READ: the hashing
-    thread may still be busy with the last chunks. Call :meth:`HashedRead.wait` before ``dest`` or
-    ``hasher`` is used (and before ``dest``'s memory is freed), e.g. after loading something else
-    meanwhile.
+                      check: Callable[[int, int], bool] | None = None, interleave: bool = False) -> HashedRead:
+    """:func:`read_hashed` with the hashing and ``check`` on a second thread (xxhash and numpy
+    release the GIL), returning once the last chunk is READ: the thread may still be hashing. Call
+    :meth:`HashedRead.wait` before ``dest`` or ``hasher`` is used (and before ``dest``'s memory is
+    freed), e.g. after loading something else meanwhile.
+
+    By default the thread starts on the chunks only once all are read: the read then runs alone and
+    as fast as without checks, and the hashing (from memory, ~20 GB/s) overlaps what the caller does
+    next. ``interleave=True`` hands each chunk over as soon as it is read, to be hashed from the
+    CPU's cache while the next is read; on this project's 2-core VM the two threads slow each
+    other down: the default model's int4 store, page cache, exclusive lock, 31 rounds: 1.12x the
+    unchecked read handed over chunk by chunk, 1.10-1.12x handed over at the end (two holds); from
+    disk 1.17x and 1.12x (scripts/integrity_cost.py).
 
     Raises:
         OSError: reading failed (the hashing thread is stopped first).
     """
     view = _begin(fh, offset, dest)
+    if not interleave:  # read alone, then one hand-over (the thread starts with all its work)
+        read = []
+        for start in range(0, len(view), chunk_bytes):
+            stop = min(len(view), start + chunk_bytes)
+            if not _read_exactly(fh, view[start:stop]):
+                return HashedRead(view, hasher, check, chunks=[], complete=False)
+            read.append((start, stop))
+        return HashedRead(view, hasher, check, chunks=read)
     work = HashedRead(view, hasher, check)
     try:
         for start in range(0, len(view), chunk_bytes):
@@ -274,14 +289,21 @@ def _read_exactly(fh, into: memoryview) -> bool:
 class HashedRead:
     """A thread that hashes and checks, in order, the chunks :func:`start_read_hashed` has read.
 
-    ``wait()`` joins it (idempotent): True when every chunk was read and accepted; it raises what
-    the hasher or the check raised.
+    ``chunks``: (start, stop) of every chunk, all read already (the thread starts with all its work,
+    so the reader never waits for it); None: the reader puts each on ``todo`` as it reads it, then
+    None. ``complete``: False when the read ended early. ``wait()`` joins the thread (idempotent):
+    True when every chunk was read and accepted; it raises what the hasher or the check raised.
     """
 
-    def __init__(self, view: memoryview, hasher, check) -> None:
+    def __init__(self, view: memoryview, hasher, check, chunks: list[tuple[int, int]] | None = None,
+                 complete: bool = True) -> None:
         self.view, self.hasher, self.check = view, hasher, check
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.complete, self.accepted, self.error = True, True, None
+        self.complete, self.accepted, self.error = complete, True, None
+        if chunks is not None:
+            for item in chunks:
+                self.todo.put(item)
+            self.todo.put(None)
         self.thread = threading.Thread(target=self._run, name="moespec-hash", daemon=True)
         self.thread.start()
 

@@ -97,6 +97,17 @@ def test_the_quantised_store_on_a_full_disk_is_skipped_with_a_note(small_disk, t
     assert not [n for n in _files(small_disk) if n.endswith((".tmp", ".safetensors"))]
 
 
+def test_the_gguf_dense_cache_on_a_full_disk_is_skipped_with_a_note(small_disk):
+    from moespec.gguf.dense_cache import DenseCacheWriter
+
+    writer = DenseCacheWriter(small_disk / "dense-float32.safetensors", [("w", torch.float32, (64, 64))],
+                              torch.float32, [["m.gguf", 1, 2]])
+    writer.write("w", torch.ones(64, 64))
+    writer.finish()
+    assert writer.note is not None and "disk full" in writer.note and "\n" not in writer.note
+    assert _files(small_disk) == []
+
+
 def test_calibrate_refuses_a_full_disk_before_the_run(small_disk, tiny_models, monkeypatch):
     import moespec.cli.calibrate_cmd as cmd
 

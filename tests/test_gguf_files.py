@@ -7,6 +7,7 @@ no dequantiser, --expert-dtype int4 on already quantised experts.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -185,13 +186,73 @@ def test_second_load_reads_the_dense_cache_instead_of_dequantising(tmp_path, q8,
     folder = resolve_model(str(path))
     first = _logits(folder)
     cache = dense_cache.cache_file(folder, torch.float32)
-    assert cache.is_file() and not list(folder.glob("*.tmp-*"))
+    assert cache.is_file() and not list(folder.glob(".*.tmp"))
     calls = []
     real = source.GgufSource._dense
     monkeypatch.setattr(source.GgufSource, "_dense", lambda self, *a: calls.append(a) or real(self, *a))
     assert torch.equal(_logits(folder), first) and calls == []  # nothing dequantised
-    cache.write_bytes(cache.read_bytes()[:-8])  # a cut-off cache is ignored and rewritten
-    assert torch.equal(_logits(folder), first) and calls and cache.stat().st_size > 0
+    good = cache.read_bytes()
+    cache.write_bytes(good[:-8])  # a cut-off cache is ignored and rewritten
+    assert torch.equal(_logits(folder), first) and calls and cache.read_bytes() == good
+
+
+def test_a_flipped_byte_in_the_dense_cache_is_found_and_the_cache_made_again(tmp_path, q8, monkeypatch):
+    """Data bytes (first, middle, last tensor byte) are caught by the per-tensor checksums as each
+    tensor is read; header bytes (length, JSON, a checksum digit) by the byte-exact header."""
+    from moespec.gguf import dense_cache
+    from moespec.runtime.host import gguf_source as source
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    first = _logits(folder)
+    cache = dense_cache.cache_file(folder, torch.float32)
+    good = cache.read_bytes()
+    head = 8 + int.from_bytes(good[:8], "little")
+    meta = json.loads(json.loads(good[8:head])["__metadata__"][dense_cache.META_KEY])
+    digit = good.index(min(meta["digests"].values()).encode()) + 5  # a digit of a checksum
+    calls = []
+    real = source.GgufSource._dense
+    monkeypatch.setattr(source.GgufSource, "_dense", lambda self, *a: calls.append(a) or real(self, *a))
+    for at in (0, 9, digit, head, (head + len(good)) // 2, len(good) - 1):
+        damaged = bytearray(good)
+        damaged[at] ^= 0x01
+        cache.write_bytes(bytes(damaged))
+        calls.clear()
+        assert torch.equal(_logits(folder), first), at  # the damaged values never reach the model
+        assert calls, at  # dequantised again
+        assert cache.read_bytes() == good, at  # and cached again, byte-identical
+        assert not list(folder.glob(".*.tmp")), at
+
+
+def test_the_dense_cache_is_skipped_with_a_note_when_it_cannot_be_written(tmp_path, monkeypatch):
+    """A disk too small for it: the writer says why in one line and leaves nothing; no exception."""
+    from moespec import fsutil
+    from moespec.gguf.dense_cache import DenseCacheWriter
+
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 100)
+    writer = DenseCacheWriter(tmp_path / "dense-float32.safetensors", [("w", torch.float32, (64, 64))],
+                              torch.float32, [["m.gguf", 1, 2]])
+    writer.write("w", torch.ones(64, 64))
+    writer.finish()
+    assert writer.note is not None and "disk full" in writer.note and len(writer.note) < 200
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dense_cache_that_cannot_be_written_is_a_note_of_the_load(tmp_path, q8, monkeypatch):
+    from moespec import fsutil
+    from moespec.gguf import dense_cache
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    monkeypatch.setattr(fsutil, "free_bytes", lambda path: 100)
+    om = load_offloaded(folder, RuntimeConfig(dtype="float32", cache_experts=4))
+    try:
+        assert any("dense weights are not cached" in n for n in om.notes), om.notes
+    finally:
+        om.close()
+    assert not dense_cache.cache_file(folder, torch.float32).exists() and not list(folder.glob(".*.tmp"))
 
 
 def test_header_walk_equals_gguf_reader(q8):
@@ -211,3 +272,36 @@ def test_header_walk_equals_gguf_reader(q8):
             continue
         value = field.contents()
         assert fields[key] == (value if not isinstance(value, list) or len(value) <= 256 else {"array_length": len(value)}), key
+
+
+def test_a_prepare_killed_half_way_is_swept_by_the_next(tmp_path, q8, monkeypatch):
+    """SIGKILL while the prepared folder is built: its locked temp folder is swept by the next prepare."""
+    import signal
+    import time
+
+    from moespec import tempfiles
+    from moespec.gguf import sidecar
+
+    monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    parent = sidecar.sidecar_dir("x").parent
+    pid = os.fork()
+    if pid == 0:  # the child: stops inside the build, to be killed
+        try:
+            sidecar._write_tokenizer = lambda files, folder: time.sleep(600)
+            resolve_model(str(path))
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    try:
+        while not (temps := sorted(parent.glob(".*.tmp")) if parent.is_dir() else []) \
+                or not (temps[0] / "config.json").is_file():
+            assert time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0], "the temp never appeared"
+            time.sleep(0.005)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert tempfiles.stale_temps(parent) == temps  # its lock died with it
+    folder = resolve_model(str(path))
+    assert (folder / "config.json").is_file() and not list(parent.glob(".*.tmp"))

@@ -43,3 +43,30 @@ def test_status_says_why_there_are_no_kernels_in_one_line(monkeypatch, env, flag
         assert got.note.endswith("use the reference path (dequantise, then matmul)")
     finally:
         native.status.cache_clear()
+
+
+def test_a_damaged_or_unverified_library_is_compiled_again(tmp_path):
+    """The .so's bytes are checked against the XXH3-128 written beside it before it is used: a flipped
+    byte, or a missing checksum (a kill between the two writes), means a new build; an intact one is reused."""
+    log = tmp_path / "builds.log"
+    cc = tmp_path / "fake-cc"
+    cc.write_text("#!/bin/sh\n"
+                  "if [ \"$1\" = --version ]; then echo fake-cc 1.0; exit 0; fi\n"
+                  "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n"
+                  f"echo build >> {log}\nprintf 'a library of some bytes' > \"$out\"\n")
+    cc.chmod(0o755)
+    out = tmp_path / "kernels"
+
+    def builds() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    lib = native._build(out, str(cc))
+    mark = lib.with_name(lib.name + ".xxh3")
+    good = lib.read_bytes()
+    assert builds() == 1 and mark.is_file() and sorted(p.name for p in out.iterdir()) == [lib.name, mark.name]
+    assert native._build(out, str(cc)) == lib and builds() == 1  # intact: reused
+    lib.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    assert native._build(out, str(cc)) == lib and builds() == 2 and lib.read_bytes() == good
+    mark.unlink()
+    assert native._build(out, str(cc)) == lib and builds() == 3 and mark.is_file()
+    assert sorted(p.name for p in out.iterdir()) == [lib.name, mark.name]  # no temp left

@@ -1,6 +1,7 @@
 """The quantised store's fast check (rows read in chunks, hashed and scale-checked on a second
-thread or inline) against its slow reference (safetensors reads the whole tensor, then the digest
-of the whole buffer and torch.isfinite): both take the intact file and both refuse every flipped
+thread after the read, or as each chunk is read, or inline) against its slow reference
+(safetensors reads the whole tensor, then the digest of the whole buffer and torch.isfinite):
+both take the intact file and both refuse every flipped
 bit, byte by byte over the whole file (header, scales, packed weights, the last byte), every cut
 and an appended tail, with chunks that end mid-tensor (several chunks and a short last one).
 """
@@ -43,7 +44,12 @@ def written(tmp_path, monkeypatch):
 def _verdicts(path) -> dict[str, bool]:
     cache = QuantStoreCache(path, META)
     out = {}
-    for name, load in {"overlap": cache.load_into, "inline": lambda s: cache.load_into(s, overlap=False),
+    def interleaved(store) -> bool:
+        pending = cache.start_load(store, interleave=True)
+        return pending is not None and pending.wait()
+
+    for name, load in {"overlap": cache.load_into, "interleave": interleaved,
+                       "inline": lambda s: cache.load_into(s, overlap=False),
                        "reference": cache.load_into_reference}.items():
         out[name] = load(_Store(torch.zeros(SHAPE, dtype=torch.uint8)))
     return out
@@ -70,7 +76,7 @@ def test_every_flipped_bit_of_the_file_is_refused_by_both(written):
             damaged = bytearray(data)
             damaged[at] ^= 0x01 if region != "length" else 0x40  # (bit 0 of the length: a 1-byte cut)
             path.write_bytes(bytes(damaged))
-            assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}, (region, at)
+            assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}, (region, at)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 100, -41, -40, -1])
@@ -78,9 +84,9 @@ def test_a_cut_or_an_appended_tail_is_refused_by_both(written, cut):
     path, _ = written
     data = path.read_bytes()
     path.write_bytes(data[:cut])
-    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}
     path.write_bytes(data + b"\0")
-    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}
 
 
 def test_a_nan_scale_in_the_last_chunk_is_refused_by_both(written):
@@ -89,4 +95,4 @@ def test_a_nan_scale_in_the_last_chunk_is_refused_by_both(written):
     bad = rows.clone()
     bad[1, 4, 6:8] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)  # the last row's last scale
     assert QuantStoreCache(path, META).save(_Store(bad)) is None
-    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}

@@ -80,6 +80,19 @@ def build_checkpoint(target: Path, mb: float = 0) -> None:
     state.save(0, {"gate.weight": torch.randn(n)}, report, fits, torch.randn(4, 4))
 
 
+def dense_cache(target: Path, mb: float = 0) -> None:
+    """A GGUF's dense cache (moespec.gguf.dense_cache): written while tensors stream, not in one call."""
+    from moespec.gguf.dense_cache import DenseCacheWriter
+
+    n = max(16, int(mb * 2**20 / 4 / 2))
+    specs = [("a", torch.float32, (n,)), ("b", torch.float32, (n,))]
+    writer = DenseCacheWriter(target, specs, torch.float32, [["m.gguf", 1, 2]])
+    for name, dt, shape in specs:
+        writer.write(name, torch.ones(shape, dtype=dt))
+    writer.finish()
+    assert writer.note is None, writer.note
+
+
 def text(target: Path, mb: float = 0) -> None:
     from moespec.fsutil import atomic_write_text
 
@@ -94,6 +107,7 @@ WRITERS = {
     "states_shard": (states_shard, "train-00000.safetensors"),
     "build_checkpoint": (build_checkpoint, "layer-00.safetensors"),
     "text": (text, "manifest.json"),
+    "dense_cache": (dense_cache, "dense-float32.safetensors"),
 }
 
 

@@ -14,12 +14,10 @@ The marker records an XXH3-128 digest of every other file in the folder and of i
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from moespec.errors import CheckpointError
-from moespec.fsutil import temp_folder_beside
+from moespec.fsutil import atomic_folder
 from moespec.gguf import SOURCE_FILE
 from moespec.gguf.files import GgufFiles
 from moespec.gguf.reader import GgufCheckpoint, fingerprint
@@ -111,8 +109,7 @@ def prepare(files: GgufFiles, key: str) -> Path:
 
     config = hf_config(ck, default_dtype(ck))  # unsupported or dense: refused before anything is written
     _check_experts(ck)
-    tmp = temp_folder_beside(folder, f".{folder.name}.")
-    try:
+    with atomic_folder(folder) as tmp:  # a locked temp folder: swept by the next prepare after a SIGKILL
         config.save_pretrained(tmp)
         _write_tokenizer(files, tmp)
         _write_generation_config(ck, tmp)
@@ -121,11 +118,6 @@ def prepare(files: GgufFiles, key: str) -> Path:
         marker = json.loads(json.dumps(marker))  # as it reads back (tuples become lists), then sealed
         marker["digest"] = _json_digest(marker)
         (tmp / SOURCE_FILE).write_text(json.dumps(marker), encoding="utf-8")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -8,7 +8,8 @@ they run scalar loops. These kernels are exact with float32 activations and fast
 the GIL for the call, so pool threads run kernels in parallel.
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -mavx2 -mfma -mf16c`` (:data:`FLAGS`), once per source/compiler/flags
-(the file name carries their hash) into ``<moespec home>/kernels/``, written atomically (fsutil).
+(the file name carries their hash) into ``<moespec home>/kernels/``, written atomically (fsutil), its bytes
+checked against the XXH3-128 written beside it before every load (a damaged library is compiled again).
 Without AVX2/FMA/F16C, without a compiler, or with ``MOESPEC_CPU_KERNELS=0`` there is no library
 and callers use the reference path (dequantise, then ``F.linear``); :func:`status` says why, in one line.
 """
@@ -75,8 +76,15 @@ def cpu_flags() -> set[str]:
 
 
 def _build(out_dir: Path, cc: str) -> Path:
-    """The compiled library for this source, compiler and flags (compiled now if absent)."""
-    from moespec.fsutil import atomic_path
+    """The compiled library for this source, compiler and flags (compiled now if absent or damaged).
+
+    Its name carries the hash of what it is built from; ``NAME.so.xxh3`` beside it the XXH3-128 of
+    its bytes, written after it (moespec.integrity). A library whose bytes do not match (a flipped
+    byte could crash the process or compute wrong values), or that has no such file (a kill between
+    the two writes, or built before them), is compiled again (~1 s) before it is loaded.
+    """
+    from moespec.fsutil import atomic_path, atomic_write_text
+    from moespec.integrity import file_digest
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     files = sorted(CSRC.glob("*.[ch]"))
@@ -84,12 +92,24 @@ def _build(out_dir: Path, cc: str) -> Path:
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
     lib = out_dir / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
-    if not lib.exists():
+    mark = lib.with_name(lib.name + ".xxh3")
+    if not _intact(lib, mark):
         with atomic_path(lib) as tmp:
             sources = [str(f) for f in files if f.suffix == ".c"]
             subprocess.run([cc, *FLAGS, "-o", str(tmp), *sources, "-lm"], check=True, capture_output=True,
                            timeout=300)
+        atomic_write_text(mark, file_digest(lib) + "\n")
     return lib
+
+
+def _intact(lib: Path, mark: Path) -> bool:
+    """True when ``lib`` exists and its bytes match the checksum in ``mark``."""
+    from moespec.integrity import file_digest
+
+    try:
+        return mark.read_text(encoding="utf-8").strip() == file_digest(lib)
+    except (OSError, ValueError):
+        return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -261,7 +261,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         rule, note = _rule_factory(cfg, cache_policy, path, adapter.top_k(), slots, config, refs)  # checks its routers
         cache.set_rule(rule)
         predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
-        notes = [n for n in (note, unsaved, _kernel_note(device, cfg)) if n]
+        notes = [n for n in (note, unsaved, _kernel_note(device, cfg), *getattr(source, "notes", ())) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
         om.compiled = apply_compile(om, cfg.compile)

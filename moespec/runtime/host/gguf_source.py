@@ -6,7 +6,8 @@ Dense tensors are read one at a time, dequantised on the load device (moespec.gg
 undone as llama.cpp's converter changed them (names.apply); a tensor larger than 64 MiB as float32
 is dequantised in row chunks straight into the compute dtype, so no float32 copy of an embedding
 ever exists beside it. What the first start dequantised is kept (dense_cache.py) and read back by
-the next, which then neither dequantises nor reads the GGUF's dense tensors. Expert tensors stay in their GGUF blocks (layout.GgufLayout): each expert's
+the next, which then neither dequantises nor reads the GGUF's dense tensors (each cached tensor is
+checked against its checksum before it is handed on; a damaged cache is made again). Expert tensors stay in their GGUF blocks (layout.GgufLayout): each expert's
 byte range is read from the file in chunks of whole experts (<= 16 MiB) and written into its store
 row. With ``--expert-dtype`` the compute dtype (or int8/int4 on F32/F16/BF16 experts, or with
 ``--requantize``) experts are dequantised at load instead and go through the adapter's converter,
@@ -24,7 +25,7 @@ import torch
 
 from moespec.errors import CheckpointError, OptionError
 from moespec.gguf import SOURCE_FILE
-from moespec.gguf.dense_cache import DenseCacheWriter, cache_file, readable
+from moespec.gguf.dense_cache import DenseCacheWriter, cache_file, cached_digests, tensor_digest
 from moespec.gguf.dequant import FLOAT_TYPES, check_supported, dequantize, type_name
 from moespec.gguf.layout import GgufGptOssLayout, GgufLayout, GgufPart, LayeredLayout
 from moespec.gguf.names import apply, dense_plans, expert_names
@@ -50,6 +51,7 @@ class GgufSource:
     def __init__(self, folder: Path, ck: GgufCheckpoint, marker: dict) -> None:
         self.folder, self.ck, self._marker = Path(folder), ck, marker
         self._config = None
+        self.notes: list[str] = []  # one line each for the user (a dense cache that could not be written)
 
     @classmethod
     def open(cls, folder: Path) -> GgufSource:
@@ -158,12 +160,20 @@ class GgufSource:
         from moespec.runtime.host.checkpoint import iter_tensors
 
         cache = cache_file(self.folder, dtype)
-        if readable(cache, dtype, self.fingerprint()):
-            for name, tensor, file in iter_tensors([cache]):
-                yield SourceTensor(None, adapter.dense_name(name), tensor, file.name, mapped=True)
-            return
         plans = dense_plans(self.config(), self.ck.arch, set(self.ck.tensors))
         specs = [(p.name, self._dense_dtype([self.ck.tensors[s] for s in p.sources], dtype), p.shape) for p in plans]
+        digests = cached_digests(cache, specs, dtype, self.fingerprint())
+        if digests is not None:
+            cached = iter_tensors([cache])
+            for name, tensor, file in cached:
+                if tensor_digest(name, tensor) != digests[name]:  # damaged: dequantised (and cached) again
+                    break
+                yield SourceTensor(None, adapter.dense_name(name), tensor, file.name, mapped=True)
+            else:
+                return
+            del tensor
+            cached.close()  # drops its mapping of the damaged file
+            cache.unlink(missing_ok=True)
         writer = DenseCacheWriter(cache, specs, dtype, self.fingerprint())
         try:
             for plan in plans:
@@ -171,6 +181,8 @@ class GgufSource:
                 writer.write(plan.name, tensor)
                 yield SourceTensor(None, adapter.dense_name(plan.name), tensor, self.ck.files.name)
             writer.finish()
+            if writer.note is not None:
+                self.notes.append(writer.note)
         finally:
             writer.abort()  # a no-op once finished; drops a half-written file when loading stopped
 

@@ -10,7 +10,7 @@ a few kB per shard, never the weights.
 
 A file whose header differs in anything (checkpoint changed, other settings, older format), that
 cannot be read (truncated), whose data does not match the XXH3-128 checksum in its header (a flipped
-byte; moespec.integrity, checked chunk by chunk while the rows are read in) or whose scales are
+byte; moespec.integrity, checked on a second thread once the rows are read in) or whose scales are
 not finite is never used: the store is quantised again from the checkpoint and the file rewritten
 atomically (moespec.fsutil). Wrong weights need a checkpoint rewritten with the same sizes, mtimes
 and headers. The file is only a cache: when it cannot be written (a full disk, a read-only home)
@@ -98,20 +98,22 @@ class QuantStoreCache:
             return pending is not None and pending.wait()
         return self._read(store, overlap=False) is True
 
-    def start_load(self, store: ExpertStore) -> PendingLoad | None:
-        """Read the rows into ``store.buffer`` and return while the last chunks are still being checked.
+    def start_load(self, store: ExpertStore, interleave: bool = False) -> PendingLoad | None:
+        """Read the rows into ``store.buffer`` and return while they are still being checked.
 
-        The rows are read straight into the buffer in chunks of whole rows (integrity.read_hashed);
-        each chunk is hashed (XXH3-128, the file's digest) and its scales checked for NaN/Inf on a
-        second thread, overlapped with the next chunk's read and with whatever the caller does
-        until :meth:`PendingLoad.wait` (e.g. loading the dense weights). Only the scales can be
-        NaN: the packed integer weights cannot. Returns None when the file is absent, stale or
-        unreadable (nothing started). The buffer must not be used, or freed, before ``wait()``.
+        The rows are read straight into the buffer in chunks of whole rows (integrity.start_read_hashed);
+        once all are read, a second thread hashes them (XXH3-128, the file's digest) and checks each
+        chunk's scales for NaN/Inf, overlapped with whatever the caller does until
+        :meth:`PendingLoad.wait` (e.g. loading the dense weights). ``interleave=True`` hands each
+        chunk to that thread as soon as it is read instead (the earlier way; slower here:
+        scripts/integrity_cost.py). Only the scales can be NaN: the packed integer weights cannot.
+        Returns None when the file is absent, stale or unreadable (nothing started). The buffer must
+        not be used, or freed, before ``wait()``.
         """
-        pending = self._read(store, overlap=True)
+        pending = self._read(store, overlap=True, interleave=interleave)
         return pending if isinstance(pending, PendingLoad) else None
 
-    def _read(self, store: ExpertStore, overlap: bool):
+    def _read(self, store: ExpertStore, overlap: bool, interleave: bool = False):
         """A PendingLoad (``overlap``), True/False (inline: verified or not), None (absent or stale)."""
         from moespec.integrity import read_hashed, start_read_hashed
 
@@ -136,8 +138,8 @@ class QuantStoreCache:
                 if not overlap:
                     return read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok) \
                         and hasher.hexdigest() == want
-                return PendingLoad(start_read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok),
-                                   hasher, want)
+                return PendingLoad(start_read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok,
+                                                     interleave), hasher, want)
         except Exception:  # a damaged header (bad JSON, wrong types), an unreadable file: rebuild
             return None
 
