@@ -278,7 +278,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
 
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
-        if not ticket.done.is_set():
+        if ticket.prefetch and not ticket.done.is_set():
             self._promote(ticket)
         ticket.done.wait()
         ticket.waited = True
