@@ -84,7 +84,7 @@ def structure_routing(om, scale: float) -> None:
 
 
 def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str,
-        embed_scale: float = 1.0) -> None:
+        embed_scale: float = 1.0, tune: dict | None = None) -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -96,6 +96,16 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     structure_routing(om, embed_scale)
+    tune = tune or {}
+    engine = om.cache.engine
+    if tune.get("chunk_mib"):
+        engine.chunk_bytes = int(tune["chunk_mib"] * 2**20)
+    if tune.get("prefetch_beside") is not None:
+        engine.prefetch_beside = tune["prefetch_beside"]
+    if tune.get("switch_ms"):
+        __import__("sys").setswitchinterval(tune["switch_ms"] / 1e3)
+    if tune.get("torch_threads"):
+        torch.set_num_threads(tune["torch_threads"])
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
@@ -109,7 +119,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
-                      "embed_scale": embed_scale, "gate_open": gate,
+                      "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
@@ -199,6 +209,10 @@ def main() -> None:
     a.add_argument("--prompt-len", type=int, default=8)
     a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
     a.add_argument("--embed-scale", type=float, default=1.0, help="structured routing (structure_routing)")
+    a.add_argument("--chunk-mib", type=float, help="the reader's chunk (DiskReadEngine.chunk_bytes)")
+    a.add_argument("--prefetch-beside", type=int, help="DiskReadEngine.prefetch_beside")
+    a.add_argument("--switch-ms", type=float, help="sys.setswitchinterval (the GIL's hand-over), ms")
+    a.add_argument("--torch-threads", type=int)
     h = sub.add_parser("accelerate")
     h.add_argument("folder", type=Path)
     h.add_argument("--cpu-memory", default="1GiB")
@@ -213,7 +227,9 @@ def main() -> None:
     if args.cmd == "make":
         make(args.folder, args.layers, args.vocab)
     elif args.cmd == "arm":
-        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale)
+        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
+            {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
+             "torch_threads": args.torch_threads})
     elif args.cmd == "accelerate":
         accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
     else:

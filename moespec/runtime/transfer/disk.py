@@ -99,16 +99,18 @@ class DiskReadEngine(CopyQueue, TransferEngine):
         readers: threads, i.e. reads (chunks) in flight at most.
         verify: check every row's checksum as it lands.
         chunk_bytes: bytes of one read (rounded up to 4096); a row is read in ceil(length / chunk) reads.
+        prefetch_beside: prefetch chunks that may run beside running demand chunks (0: none).
 
     Raises (in :meth:`wait`): CheckpointError for a read that failed (I/O error, short read, checksum).
     """
 
     def __init__(self, path, forget: Callable[[], None] = lambda: None, readers: int = DEFAULT_READERS,
-                 verify: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 verify: bool = True, chunk_bytes: int = CHUNK_BYTES, prefetch_beside: int = 0) -> None:
         self.path, self._forget = path, forget
         self.fd, self.direct = open_direct(path)
         self.verify = verify
         self.chunk_bytes = max(_ALIGN, -(-chunk_bytes // _ALIGN) * _ALIGN)
+        self.prefetch_beside = prefetch_beside
         self._init_queue()  # demand reads before queued prefetches, cancellable (queue.py)
         self.reads = 0
         self._busy_s = 0.0  # wall seconds with at least one read running (the link's busy time)
@@ -129,9 +131,10 @@ class DiskReadEngine(CopyQueue, TransferEngine):
     # --- the readers -----------------------------------------------------------------------------
     def _next_locked(self):
         """The next heap entry a reader may start (popped), or None: nothing queued, or only prefetch
-        chunks while a demand chunk is running (module docstring)."""
+        chunks while a demand chunk is running and ``prefetch_beside`` prefetch chunks run (module docstring)."""
         heap = self._heap
-        if not heap or (heap[0][0] == 1 and self._demand_running):
+        busy = self._demand_running and self._running - self._demand_running >= self.prefetch_beside
+        if not heap or (heap[0][0] == 1 and busy):
             return None
         return heapq.heappop(heap)
 
