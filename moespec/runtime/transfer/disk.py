@@ -38,11 +38,10 @@ import heapq
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from typing import Callable
 
 from moespec.errors import CheckpointError
 from moespec.integrity import new_hasher
