@@ -73,7 +73,18 @@ def make(folder: Path, layers: int, vocab: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
-def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str) -> None:
+def structure_routing(om, scale: float) -> None:
+    """Make the slice's routing predictable, as a trained model's is: the token embedding scaled by
+    ``scale`` carries the residual stream (random attention and experts add N(0, ~1) per layer, the
+    random embedding only N(0, 0.02)), so router_{l+1}(r_l) is near router_{l+1}(r_{l+1}). Exact mode
+    is unchanged (every arm decodes the same scaled model); 1.0 leaves the slice as written."""
+    if scale != 1.0:
+        with torch.no_grad():
+            om.model.get_input_embeddings().weight.mul_(scale)
+
+
+def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str,
+        embed_scale: float = 1.0, tune: dict | None = None) -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -84,20 +95,42 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=parse_bytes(host_memory), disk_reads=disk_reads)
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
+    structure_routing(om, embed_scale)
+    tune = tune or {}
+    engine = om.cache.engine
+    if tune.get("chunk_mib"):
+        engine.chunk_bytes = int(tune["chunk_mib"] * 2**20)
+    if tune.get("prefetch_beside") is not None:
+        engine.prefetch_beside = tune["prefetch_beside"]
+    if tune.get("switch_ms"):
+        __import__("sys").setswitchinterval(tune["switch_ms"] / 1e3)
+    if tune.get("torch_threads"):
+        torch.set_num_threads(tune["torch_threads"])
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
         out = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens, temperature=1.0, seed=0)))
         summary = summarize(om.recorder.steps)
         disk = disk_numbers(summary, om.cache)
+        gate = getattr(om.runner.prefetcher, "gate", None)
+        gate = None if gate is None else [int(g["open"]) for g in gate.report().values()]
     finally:
         om.close()
     print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
+                      "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
+                      "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
+                      "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
                       "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+
+
+def summary_per_token(om, field: str) -> float:
+    """A LayerStats counter summed over the decode steps' layers, per decode step."""
+    steps = [s for s in om.recorder.steps if s.kind == "decode"]
+    return sum(getattr(ls, field) for s in steps for ls in s.layers.values()) / max(len(steps), 1)
 
 
 def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, prompt_len: int) -> None:
@@ -175,6 +208,11 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--prompt-len", type=int, default=8)
     a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
+    a.add_argument("--embed-scale", type=float, default=1.0, help="structured routing (structure_routing)")
+    a.add_argument("--chunk-mib", type=float, help="the reader's chunk (DiskReadEngine.chunk_bytes)")
+    a.add_argument("--prefetch-beside", type=int, help="DiskReadEngine.prefetch_beside")
+    a.add_argument("--switch-ms", type=float, help="sys.setswitchinterval (the GIL's hand-over), ms")
+    a.add_argument("--torch-threads", type=int)
     h = sub.add_parser("accelerate")
     h.add_argument("folder", type=Path)
     h.add_argument("--cpu-memory", default="1GiB")
@@ -189,7 +227,9 @@ def main() -> None:
     if args.cmd == "make":
         make(args.folder, args.layers, args.vocab)
     elif args.cmd == "arm":
-        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads)
+        arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
+            {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
+             "torch_threads": args.torch_threads})
     elif args.cmd == "accelerate":
         accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
     else:

@@ -1,0 +1,109 @@
+"""The disk reader's chunks and priorities (runtime/transfer/disk.py).
+
+A row read in chunks lands byte-identical to one read whole; no prefetch chunk starts while a
+demand chunk runs; a prefetch compute waits for goes with the demand reads.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from moespec.config import Predictor, RuntimeConfig
+from moespec.runtime.load import load_offloaded
+from moespec.runtime.stats import StatsRecorder
+from moespec.runtime.transfer import disk
+from moespec.runtime.transfer.disk import DiskReadEngine
+
+
+@pytest.fixture
+def store(tiny_models, tmp_path):
+    """The tiny qwen3_moe model's store file (rows of 6 KiB, stride 8 KiB) and its in-RAM store."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    om = load_offloaded(folder, RuntimeConfig(host_memory_bytes=4 * 8192, predictor=Predictor.NONE), StatsRecorder())
+    om.close()
+    ram = load_offloaded(folder, RuntimeConfig(predictor=Predictor.NONE))
+    yield om.store, ram.store
+    ram.close()
+
+
+def test_a_row_read_in_chunks_equals_the_row_read_whole(store, monkeypatch):
+    on_disk, ram = store
+    reads = []
+    real = disk.read_into
+
+    def spy(fd, address, length, offset):
+        reads.append((offset, length))
+        return real(fd, address, length, offset)
+
+    monkeypatch.setattr(disk, "read_into", spy)
+    layer = on_disk.moe_layers[0]
+    for chunk in (4096, 1 << 21):  # two chunks of a 6 KiB row (8 KiB read), then one
+        reads.clear()
+        engine = DiskReadEngine(on_disk.path, readers=3, chunk_bytes=chunk)
+        slots = on_disk.slot_rows(3, torch.device("cpu"))  # [3, P]
+        tickets = [engine.submit(slots[s], on_disk.expert(layer, e), s, prefetch=s == 2) for s, e in enumerate((0, 5, 7))]
+        for t in tickets:
+            engine.wait(t)
+        engine.close()
+        assert engine.reads == 3 and not engine._errors  # every checksum held
+        assert len(reads) == (6 if chunk == 4096 else 3)
+        for s, e in enumerate((0, 5, 7)):
+            assert torch.equal(slots[s], ram.expert(layer, e))
+
+
+def test_no_prefetch_chunk_starts_while_a_demand_chunk_runs(store):
+    on_disk, _ = store
+    engine = DiskReadEngine(on_disk.path, readers=4)
+    layer = on_disk.moe_layers[0]
+    gate, order = threading.Event(), []
+
+    def fault(row):
+        order.append(row.key)
+        if row.key == (layer, 0):
+            gate.wait()
+
+    engine.fault = fault
+    slots = on_disk.slot_rows(2, torch.device("cpu"))  # [2, P]
+    demand = engine.submit(slots[0], on_disk.expert(layer, 0), 0)
+    while not demand.started:
+        pass
+    ahead = engine.submit(slots[1], on_disk.expert(layer, 1), 1, prefetch=True)
+    assert not ahead.done.wait(0.05) and not ahead.started  # three readers idle, the prefetch waits
+    gate.set()
+    engine.wait(demand)
+    engine.wait(ahead)
+    engine.close()
+    assert order == [(layer, 0), (layer, 1)] and engine.reads == 2
+
+
+def test_a_prefetch_compute_waits_for_goes_with_the_demand_reads(store):
+    on_disk, ram = store
+    engine = DiskReadEngine(on_disk.path, readers=1)
+    layer = on_disk.moe_layers[0]
+    gate, order = threading.Event(), []
+
+    def fault(row):
+        order.append(row.key)
+        gate.wait()
+
+    engine.fault = fault
+    slots = on_disk.slot_rows(4, torch.device("cpu"))  # [4, P]
+    first = engine.submit(slots[0], on_disk.expert(layer, 0), 0)
+    while not first.started:
+        pass
+    early = engine.submit(slots[1], on_disk.expert(layer, 1), 1, prefetch=True)
+    late = engine.submit(slots[2], on_disk.expert(layer, 2), 2, prefetch=True)
+    other = engine.submit(slots[3], on_disk.expert(layer, 3), 3)
+    engine._promote(late)  # what wait(late) does before it blocks
+    gate.set()
+    for t in (first, late, other, early):  # early last: waiting for it would promote it too
+        engine.wait(t)
+    engine.close()
+    # the waited prefetch keeps its place among the demand reads (it was queued before `other`)
+    assert order == [(layer, 0), (layer, 2), (layer, 3), (layer, 1)]
+    assert torch.equal(slots[2], ram.expert(layer, 2))
