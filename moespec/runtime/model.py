@@ -74,6 +74,7 @@ class OffloadedModel:
         planner: the miss planner and its host pool, made when a policy first runs misses on the host
             (``--on-miss host|auto``); None until then.
         compiled: the compiled dense path (runtime/compile.py) when ``--compile`` put one in, else None.
+        dense: the dense linears' decode path and stored weights (runtime/dense.py), or None.
     """
 
     model: nn.Module
@@ -89,6 +90,7 @@ class OffloadedModel:
     notes: list[str] = field(default_factory=list)
     planner: MissPlanner | None = None
     compiled: object | None = None  # runtime.compile.CompiledDense when decode steps run compiled
+    dense: object | None = None  # runtime.dense.DensePath
 
     # --- what the MoE layers run with ------------------------------------------------------
     @property
