@@ -149,15 +149,17 @@ def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, device: torch.device,
-                  min_bytes: int = MIN_NATIVE_BYTES) -> DensePath:
+                  min_bytes: int | None = None) -> DensePath:
     """Give every dense Linear of ``model`` the native decode path and its ``--dense-dtype`` weight.
 
-    ``min_bytes``: a weight stored in fewer bytes keeps F.linear (tests pass 0 to run every weight natively).
+    ``min_bytes``: a float weight of fewer bytes is left as it is (None: :data:`MIN_NATIVE_BYTES`, read
+    at the call, so tests can set it to 0 and run every weight of a tiny model natively).
 
     Raises:
         OptionError: a --dense-dtype this compute dtype or device cannot take (:func:`resolve_dense_dtype`).
     """
     fmt = resolve_dense_dtype(dense_dtype, compute, device)
+    min_bytes = MIN_NATIVE_BYTES if min_bytes is None else min_bytes
     path = DensePath()
     for name, module in dense_linears(model):
         if module.weight.numel() * module.weight.element_size() < min_bytes:
@@ -166,12 +168,13 @@ def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, devi
         path.weights[module] = w
         path.native.add(name)
         path._undo.append((module, module.__dict__.get("forward")))
-        module.forward = _forward(path, module, w, device.type == "cpu")
+        module.forward = _forward(path, module, w, device.type == "cpu", _custom_ops())
     return path
 
 
-def _forward(path: DensePath, module: nn.Linear, w, native: bool):
-    """The forward of one wrapped Linear: x [..., C] -> [..., R] in x's dtype."""
+def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
+    """The forward of one wrapped Linear: x [..., C] -> [..., R] in x's dtype (``ops``: :func:`_custom_ops`,
+    registered before any tracing)."""
     bias, rows = module.bias, kl.rows_of(w)
     limit = kl.max_tokens(w) if native else -1
 
@@ -180,7 +183,7 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool):
         if path.reference or x2.shape[0] > limit:
             return F.linear(x, as_dense(w, x.dtype), bias)
         if torch.compiler.is_compiling():
-            y = _op(x2, w)
+            y = _op(ops, x2, w)
         elif kl.plan(x2, w) == "gemm":  # e.g. several intra-op threads on a float weight (kernels.linear)
             return F.linear(x, as_dense(w, x.dtype), bias)
         else:
@@ -193,9 +196,8 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool):
     return forward
 
 
-def _op(x: torch.Tensor, w) -> torch.Tensor:
+def _op(ops, x: torch.Tensor, w) -> torch.Tensor:
     """The native product as a custom op (under torch.compile): x [T, C] -> [T, R]."""
-    ops = _custom_ops()
     if isinstance(w, LowBitWeight):
         return ops[1](x, w.codes, w.scales, w.zeros, w.bits, w.rows, w.cols, w.group_size)
     return ops[0](x, w)
