@@ -123,6 +123,23 @@ def test_compiled_native_equals_eager(folders, every_weight, dense_dtype, monkey
     assert test_compile._conversation(folders["qwen2_moe"]) > 0
 
 
+@needs_kernels
+def test_bf16_weights_at_two_threads(folders, every_weight):
+    """Several intra-op threads send float weights back to F.linear (kernels.linear.plan): a bf16
+    weight under float32 compute must then be converted, and the logits stay the reference's."""
+    om = load_offloaded(folders["qwen2_moe"], RuntimeConfig(predictor=Predictor.NONE, dense_dtype="bf16"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fast, _ = _steps(om, GREEDY_PROMPT, 3)
+        om.dense.reference = True
+        ref, _ = _steps(om, GREEDY_PROMPT, 3)
+    finally:
+        torch.set_num_threads(before)
+        om.close()
+    torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
+
+
 def test_small_weights_stay_as_they_are(folders):
     """At the default threshold a tiny model's weights keep their own forward (F.linear, float)."""
     om = load_offloaded(folders["qwen2_moe"], RuntimeConfig(predictor=Predictor.NONE, dense_dtype="int8"))

@@ -177,6 +177,9 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
     registered before any tracing)."""
     bias, rows = module.bias, kl.rows_of(w)
     limit = kl.max_tokens(w) if native else -1
+    # kernels.linear falls back to F.linear(x, w) itself (e.g. several intra-op threads on a float
+    # weight), which needs w in x's dtype: only a bf16 weight under float32 compute is planned here.
+    planned = isinstance(w, torch.Tensor) and w.dtype != module.weight.dtype
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [T, C]
@@ -184,7 +187,7 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
             return F.linear(x, as_dense(w, x.dtype), bias)
         if torch.compiler.is_compiling():
             y = _op(ops, x2, w)
-        elif kl.plan(x2, w) == "gemm":  # e.g. several intra-op threads on a float weight (kernels.linear)
+        elif planned and kl.plan(x2, w) == "gemm":
             return F.linear(x, as_dense(w, x.dtype), bias)
         else:
             path.calls += 1
