@@ -136,6 +136,9 @@ class RuntimeConfig:
             baseline: the store file mapped, rows faulted in through the page cache, no reader pool).
         compile: the compiled dense path of decode steps (``--compile``, runtime/compile.py): "on",
             "off", or "auto" (on for CUDA; off on CPU, where it measured no faster: README).
+        dense_dtype: how the dense linears and lm_head store their weights (``--dense-dtype``,
+            runtime/dense.py): "auto" (the compute dtype), "float32", "bf16" (float32 compute only)
+            or "int8" (group-wise, weight-only); bf16 / int8 on the CPU kernels only.
     """
 
     device: str = "cpu"
@@ -160,6 +163,7 @@ class RuntimeConfig:
     host_memory_bytes: int | None = None
     disk_reads: str = "direct"
     compile: str = "auto"
+    dense_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.host_threads is not None and self.host_threads < 1:
@@ -169,6 +173,9 @@ class RuntimeConfig:
         # real minimum in experts and bytes (moespec.runtime.load.num_slots): one message for every value.
         if self.compile not in ("auto", "on", "off"):
             raise OptionError(f"--compile {self.compile!r} is not valid", "choose one of: auto, on, off")
+        if self.dense_dtype not in ("auto", "float32", "bf16", "bfloat16", "int8"):  # runtime.dense.DENSE_DTYPES
+            raise OptionError(f"--dense-dtype {self.dense_dtype!r} is not valid",
+                              "choose one of: auto, float32, bf16, int8")
         if self.disk_reads not in ("direct", "mmap"):  # any other text would silently read direct
             raise OptionError(f"disk_reads {self.disk_reads!r} is not valid", "choose one of: direct, mmap")
         if self.link_gbps is not None and self.link_gbps <= 0:

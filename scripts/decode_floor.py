@@ -4,13 +4,14 @@
 
 An arm is ``COMPILE:EXPERT_DTYPE:THREADS`` (COMPILE as ``--compile`` on|off, EXPERT_DTYPE as
 ``--expert-dtype``, THREADS torch's intra-op threads set before each of its steps); an optional
-fourth part is ``--dense-dtype``. Every expert resident (no offloading pressure), CPU, --predictor
+fourth part is ``--dense-dtype`` (auto, bf16, int8, or ref: auto with the dense linears on F.linear, the
+reference path of runtime/dense.py and the code before the native dense path). Every expert resident (no offloading pressure), CPU, --predictor
 none, exact. Each (compile, dtypes) pair is loaded once; each decode step runs once on each arm, the
 order rotating every step, so a burst of load hits every arm alike.
 
 The floor is the bytes one decode token reads from memory over the memory-read bandwidth measured
 in the same run at the same thread count: every dense parameter but the embedding table (one row of
-it is read), lm_head whole, and per MoE layer the top-k routed experts' packed rows (the shared
+it is read), lm_head whole (dense linears as ``--dense-dtype`` stores them), and per MoE layer the top-k routed experts' packed rows (the shared
 expert is a dense parameter). Bandwidth: the fastest of a sum and a matrix-vector product over a
 256 MiB float32 tensor (bigger than any cache here), best of 7. KV-cache reads are left out (a
 short context: a few hundred KB). Last stdout line: one JSON object.
@@ -62,6 +63,10 @@ def bytes_per_token(om) -> int:
     total -= emb.numel() * emb.element_size() - emb[0].numel() * emb.element_size()
     if head.data_ptr() == emb.data_ptr():  # tied: lm_head reads the whole table
         total += head.numel() * head.element_size()
+    dense = getattr(om, "dense", None)
+    if dense is not None:  # the stored (bf16 / int8) weights are what a token reads
+        for module in dense.weights:
+            total += dense.bytes_read(module) - module.weight.numel() * module.weight.element_size()
     store = om.store
     row = store.buffer[0, 0].numel() * store.buffer.element_size()
     return total + len(store.moe_layers) * om.adapter.top_k() * row
@@ -72,12 +77,12 @@ def _load(model: str, compile_mode: str, expert_dtype: str, dense_dtype: str):
     from moespec.runtime.engine import Engine
     from moespec.runtime.load import load_offloaded
 
-    extra = {}
-    if dense_dtype != "auto":
-        extra["dense_dtype"] = dense_dtype
-    cfg = RuntimeConfig(device="cpu", predictor=Predictor.NONE, expert_dtype=expert_dtype, **extra)
+    reference = dense_dtype == "ref"
+    cfg = RuntimeConfig(device="cpu", predictor=Predictor.NONE, expert_dtype=expert_dtype,
+                        dense_dtype="auto" if reference else dense_dtype)
     t0 = time.perf_counter()
     om = load_offloaded(model, cfg)
+    om.dense.reference = reference
     if compile_mode != "off":
         from moespec.runtime.compile import compile_dense
 

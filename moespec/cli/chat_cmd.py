@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import CompileOpt
+from moespec.cli.common import CompileOpt, DenseDtype
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, Flag, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, PredictorOpt, Seed, Threads, err_console, handles_errors,
@@ -72,6 +72,7 @@ def chat(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    dense_dtype: str = DenseDtype,
     group_size: Optional[int] = GroupSize,
     requantize: bool = Requantize,
     link_gbps: Optional[float] = LinkGbps,
@@ -101,7 +102,7 @@ def chat(
         predictor=kind, execute=enum_option(ExecuteMode, execute, "--execute"),
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule,
-        requantize=requantize, compile_mode=compile_mode,
+        requantize=requantize, compile_mode=compile_mode, dense_dtype=dense_dtype,
     )
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     session = _open_session(model, cfg, sampling, system, quiet=json_out)

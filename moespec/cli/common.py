@@ -260,6 +260,10 @@ def optional_str(value: Optional[str]) -> Optional[str]:
     """Typer passes "" for some empty options; treat it as unset."""
     return value or None
 
+DenseDtype = typer.Option("auto", "--dense-dtype",
+                          help="The dense linears' and lm_head's weights (attention, shared expert, lm_head; "
+                               "weight-only, CPU): auto (= --dtype), bf16 (half the float32 bytes) or int8 "
+                               "(group-wise, ~0.28x). Exact mode is then exact for the quantised model.")
 CompileOpt = typer.Option("auto", "--compile",
                           help="Decode steps' dense parts (attention, norms, lm_head) through torch.compile: "
                                "on, off, or auto (on for CUDA, off on CPU where it measured no faster). The "

@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath,
-                                ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, DenseDtype, Device, Dtype,
+                                EstimatorPath, ExpertDtype, FetchThreshold, Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads,
                                 LinkGbps, ModelArg, OnMissOpt, Threads, err_console, handles_errors, print_notes,
                                 register_command, set_threads)
 
@@ -75,6 +75,7 @@ def eval_(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    dense_dtype: str = DenseDtype,
     group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     calibration: Optional[str] = CalibrationPath,
@@ -104,7 +105,7 @@ def eval_(
         device=device, dtype=dtype, gpu_memory=gpu_memory, cache_experts=cache_experts, predictor=predicting,
         execute=ExecuteMode.EXACT, fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration,
         expert_dtype=expert_dtype, estimator=estimator, group_size=group_size, cache_policy=cache_policy,
-        on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule)
+        on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule, dense_dtype=dense_dtype)
     check_predictor_files(model, cfg, preds)
     set_threads(threads)
     _run(model, cfg, loaded, chosen, limits, max_gen_toks, out, fresh, json_out, exact_path)

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import typer
 
-from moespec.cli.common import (CacheExperts, CachePolicyOpt, Device, Dtype, EstimatorPath, ExpertDtype,
+from moespec.cli.common import (CacheExperts, CachePolicyOpt, DenseDtype, Device, Dtype, EstimatorPath, ExpertDtype,
                                 Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
                                 err_console, handles_errors, print_notes, register_command, set_threads)
 from moespec.config import DEFAULT_FETCH_THRESHOLD
@@ -94,6 +94,7 @@ def profile(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    dense_dtype: str = DenseDtype,
     group_size: Optional[int] = GroupSize,
     link_gbps: Optional[float] = LinkGbps,
     copy_share: Optional[float] = typer.Option(
@@ -151,7 +152,7 @@ def profile(
                              fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
                              trace is not None, threads, expert_dtype, group_size, cache_policy, guard_rule,
-                             decode_inputs, copy_share)
+                             decode_inputs, copy_share, dense_dtype)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -184,7 +185,7 @@ def profile(
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
          expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy",
-         copy_share=None):
+         copy_share=None, dense_dtype="auto"):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -212,7 +213,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=taus[0], link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads,
-        guard_rule=guard_rule)
+        guard_rule=guard_rule, dense_dtype=dense_dtype)
     set_threads(threads)
     import torch
 
@@ -260,7 +261,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
                    "fetch_threshold": taus[0] if len(taus) == 1 else list(taus), "guard_rule": cfg.guard_rule.value,
                    "decode_inputs": forced.value,
                    "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
-                   "expert_dtype": expert_dtype, "group_size": group_size,
+                   "expert_dtype": expert_dtype, "dense_dtype": dense_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "copy_share": copy_share, "calibration": calibration,
                    "estimator": estimator, "data": data,
                    "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}

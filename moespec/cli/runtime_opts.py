@@ -43,7 +43,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
                          on_miss: str = "fetch", host_threads: Optional[int] = None,
                          guard_rule: str = "budget", requantize: bool = False,
                          host_memory: Optional[str] = None,
-                         compile_mode: str = "auto") -> RuntimeConfig:
+                         compile_mode: str = "auto", dense_dtype: str = "auto") -> RuntimeConfig:
     """A RuntimeConfig from CLI values (sizes parsed, enums checked).
 
     ``cache_policy`` (``--cache-policy``): None picks the default (config.DEFAULT_CACHE_POLICY when a
@@ -53,6 +53,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
     file found automatically. ``on_miss`` is the ``--on-miss`` text (fetch, host, auto).
     ``host_memory`` (``--host-memory``): the RAM tier of the disk tier.
     ``fetch_threshold``: one τ (a number or the ``--fetch-threshold`` text; None = the default).
+    ``dense_dtype`` (``--dense-dtype``): how dense linears store their weights (runtime/dense.py).
 
     Raises:
         OptionError: both --gpu-memory and --cache-experts, or a malformed value.
@@ -69,7 +70,7 @@ def build_runtime_config(*, device: str, dtype: str, gpu_memory: Optional[str], 
         cache_policy=None if cache_policy is None else enum_option(CachePolicy, cache_policy, "--cache-policy"),
         on_miss=enum_option(OnMiss, on_miss, "--on-miss"), host_threads=host_threads,
         host_memory_bytes=parse_bytes(host_memory, "--host-memory") if host_memory is not None else None,
-        compile=compile_mode,
+        compile=compile_mode, dense_dtype=dense_dtype,
     )
 
 

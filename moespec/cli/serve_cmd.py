@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from moespec.cli.common import CompileOpt
+from moespec.cli.common import CompileOpt, DenseDtype
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, CalibrationPath, Device, Dtype, EstimatorPath, ExecuteOpt,
                                 ExpertDtype, FetchThreshold, HostMemory, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps,
                                 ModelArg, Requantize,
@@ -92,6 +92,7 @@ def serve(
     device: str = Device,
     dtype: str = Dtype,
     expert_dtype: str = ExpertDtype,
+    dense_dtype: str = DenseDtype,
     group_size: Optional[int] = GroupSize,
     requantize: bool = Requantize,
     cache_policy: Optional[str] = CachePolicyOpt,
@@ -124,7 +125,7 @@ def serve(
         fetch_threshold=fetch_threshold, link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         group_size=group_size, cache_policy=cache_policy, on_miss=on_miss, host_threads=host_threads,
         guard_rule=guard_rule,
-        requantize=requantize, compile_mode=compile_mode,
+        requantize=requantize, compile_mode=compile_mode, dense_dtype=dense_dtype,
     )
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, max_body_bytes=max_body_bytes,
                              default_max_tokens=max_new_tokens, default_seed=seed, max_n=max_n,

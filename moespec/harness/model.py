@@ -32,7 +32,7 @@ from moespec.eval.shared_prefix import scorer_for
 # model_args -> build_runtime_config keywords (lm-eval passes batch_size / max_batch_size / device too)
 RUNTIME_ARGS = ("device", "dtype", "gpu_memory", "cache_experts", "execute", "predictor", "fetch_threshold",
                 "guard_rule", "link_gbps", "calibration", "expert_dtype", "estimator", "group_size",
-                "cache_policy", "on_miss", "host_threads")
+                "cache_policy", "on_miss", "host_threads", "dense_dtype")
 
 
 @register_model("moespec")

@@ -29,6 +29,7 @@ from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.disk_store import DiskStore, round_up
 from moespec.runtime.compile import apply_compile
+from moespec.runtime.dense import install_dense, resolve_dense_dtype
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
@@ -201,6 +202,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
     config = source.config()
     adapter = adapter_for(config)
     dtype = resolve_dtype(cfg.dtype, config)
+    resolve_dense_dtype(cfg.dense_dtype, dtype, device)  # a --dense-dtype it cannot take: refused before loading
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
@@ -263,6 +265,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         predictor = make_predictor(cfg.predictor, adapter, refs, cfg, path)
         notes = [n for n in (note, unsaved, _kernel_note(device, cfg), *getattr(source, "notes", ())) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
+        om.dense = install_dense(model, cfg.dense_dtype, dtype, device)  # before compile: it wraps lm_head
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
         om.compiled = apply_compile(om, cfg.compile)
     except BaseException:

@@ -76,6 +76,7 @@ class OffloadedModel:
             (``--on-miss host|auto``); None until then.
         compiled: the compiled dense path (runtime/compile.py) when ``--compile`` put one in, else None.
         threads: the thread plan of its forwards (runtime/threads.py; ``threads.enabled = False``: serial).
+        dense: the dense linears' decode path and stored weights (runtime/dense.py), or None.
     """
 
     model: nn.Module
@@ -96,6 +97,7 @@ class OffloadedModel:
     def __post_init__(self) -> None:
         if self.threads is None:
             self.threads = ThreadPlan(self.device)
+    dense: object | None = None  # runtime.dense.DensePath
 
     # --- what the MoE layers run with ------------------------------------------------------
     @property

@@ -1,0 +1,230 @@
+"""The dense linears of a decode step through the native GEMV, and low-bit dense weights (``--dense-dtype``).
+
+Shapes: T tokens, R rows (output features), C columns (input features), H hidden, V vocabulary.
+
+Every ``nn.Linear`` of one model instance outside the experts (attention projections, dense MLPs,
+shared experts, lm_head) gets a forward of its own (:func:`install_dense`; this instance only, the
+class is untouched). For x [..., C] with T = x.numel() / C:
+  - T <= the kernels' token limit (``moespec.kernels.linear.max_tokens``: 8 for float32 weights, 16
+    for bf16 / int8) on the CPU: ``moespec.kernels.linear.linear``, the native GEMV, which reads the
+    weight once at near memory speed (F.linear at t = 1 reads float32 at about half of it here:
+    README "Dense path"). float32: exact (float32 accumulation, another order of the sum, ~1e-7).
+  - more tokens (prefill chunks), other devices: F.linear, on the same weight values (bf16 converted,
+    int8 dequantised per call), so prefill and decode compute one model.
+  - a float weight under :data:`MIN_NATIVE_BYTES` (the ctypes call costs more than it saves on weights
+    that stay in cache) is left as it is: its module's own forward, its own dtype.
+The router gates are not nn.Linear (transformers' router modules) and stay as they are: at E x H
+(16 x 576 here) they are a few KB.
+
+Weight formats (``--dense-dtype``, weight-only; activations and outputs stay in the compute dtype):
+  - auto / the compute dtype: the checkpoint's weights, as loaded;
+  - bf16 (with float32 compute): the weights rounded to bfloat16 once at load, half the bytes read;
+  - int8: group-wise affine int8 (groups of :data:`GROUP_SIZE` columns, moespec.models.quant, the
+    experts' format), ~0.28x the float32 bytes; a weight whose C is not a multiple of 16 stays float.
+``exact`` then means exact for the quantised model: the reference (:class:`DensePath` with
+``reference=True``) runs F.linear on the dequantised weights. A tied embedding keeps its float table
+for the lookup (it reads one row per token); lm_head gets its own low-bit copy (it reads all of it).
+
+Under torch.compile (runtime/compile.py) the native call is the custom op ``moespec::dense_gemv``
+(``moespec::dense_gemv_q`` for int8), so dynamo records one opaque node instead of tracing ctypes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moespec.errors import OptionError
+from moespec.kernels import linear as kl
+from moespec.kernels.lowbit import COL_MULTIPLE, LowBitWeight, dequantize
+
+DENSE_DTYPES = ("auto", "float32", "bf16", "bfloat16", "int8")
+GROUP_SIZE = 64  # as the experts' default (models/quant.DEFAULT_GROUP_SIZE)
+# Below this a weight stays on F.linear. Measured (README "Dense path", one thread): at 64 x 64 the
+# ctypes path took ~2x F.linear's time; from 192 x 576 float32 (442 KB) on it is as fast or faster.
+MIN_NATIVE_BYTES = 256 * 1024
+_NAMES = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def check_dense_dtype(name: str) -> None:
+    """Refuse a ``--dense-dtype`` that is not one of :data:`DENSE_DTYPES`.
+
+    Raises:
+        OptionError: names the value and the choices.
+    """
+    if name not in DENSE_DTYPES:
+        raise OptionError(f"--dense-dtype {name!r} is not valid", "choose one of: auto, float32, bf16, int8")
+
+
+def resolve_dense_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype | str | None:
+    """``--dense-dtype`` -> None (keep the weights), a float dtype to store them in, or "int8".
+
+    Raises:
+        OptionError: a float dtype other than the compute dtype's or bf16 under float32 compute; a
+            low-bit format off the CPU (the native kernels are CPU kernels).
+    """
+    check_dense_dtype(name)
+    if name == "auto" or _NAMES.get(name) == compute:
+        return None
+    if device.type != "cpu":
+        raise OptionError(f"--dense-dtype {name} runs on the CPU kernels, not on {device.type}",
+                          "use --dense-dtype auto (on CUDA: --dtype bfloat16)")
+    if name == "int8":
+        return "int8"
+    if compute != torch.float32:
+        raise OptionError(f"--dense-dtype {name} is wider than the compute dtype "
+                          f"{str(compute).removeprefix('torch.')}", "use --dense-dtype auto or int8")
+    return _NAMES[name]
+
+
+def stored_weight(weight: torch.Tensor, fmt: torch.dtype | str | None) -> torch.Tensor | LowBitWeight:
+    """``weight`` [R, C] as ``fmt`` stores it (:func:`resolve_dense_dtype`); a copy unless fmt is None."""
+    if fmt is None:
+        return weight.detach()
+    if fmt == "int8":
+        if weight.shape[1] % COL_MULTIPLE:
+            return weight.detach()  # the kernels need C % 16 == 0: this one stays float
+        from moespec.models.quant import QuantSpec, quantize
+
+        spec = QuantSpec(8, GROUP_SIZE)
+        return quantize(weight, spec).weight(spec, weight.shape[0], weight.shape[1])
+    return weight.detach().to(fmt).contiguous()
+
+
+def weight_bytes(w: torch.Tensor | LowBitWeight) -> int:
+    """Bytes ``w`` reads when multiplied once (codes + scales + zeros for a low-bit weight)."""
+    if isinstance(w, LowBitWeight):
+        return sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.zeros))
+    return w.numel() * w.element_size()
+
+
+def as_dense(w: torch.Tensor | LowBitWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` as a [R, C] tensor in ``dtype`` (low-bit: dequantised): what F.linear multiplies."""
+    return dequantize(w, dtype) if isinstance(w, LowBitWeight) else w.to(dtype)
+
+
+@dataclass
+class DensePath:
+    """The dense linears of one model instance and how they compute (module docstring).
+
+    Attributes:
+        weights: module -> its stored weight (float tensor or LowBitWeight), for every wrapped Linear.
+        native: the names of the wrapped modules.
+        reference: True runs every wrapped Linear as F.linear on its stored weight's values (the
+            slow reference the tests compare against); set it at any time.
+        calls: native GEMV calls so far (tests check the fast path ran).
+    """
+
+    weights: dict[nn.Module, object] = field(default_factory=dict)
+    native: set[str] = field(default_factory=set)
+    reference: bool = False
+    calls: int = 0
+    _undo: list[tuple[nn.Module, object]] = field(default_factory=list)
+
+    def bytes_read(self, module: nn.Module) -> int:
+        """Bytes one product of ``module``'s stored weight reads (bias left out: a few KB)."""
+        return weight_bytes(self.weights[module])
+
+    def uninstall(self) -> None:
+        """Put the modules' own forwards back."""
+        for module, before in reversed(self._undo):
+            if before is None:
+                del module.forward
+            else:
+                module.forward = before
+        self._undo.clear()
+        self.weights.clear()
+
+
+def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of every nn.Linear of ``model`` outside experts and routers (an offloaded MoE
+    block's ``gate`` stays float and as it is, whatever its class: routing is not quantised)."""
+    routers = {id(m.gate) for m in model.modules() if hasattr(m, "_runner") and hasattr(m, "gate")}
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".experts" not in n and id(m) not in routers]
+
+
+def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, device: torch.device,
+                  min_bytes: int | None = None) -> DensePath:
+    """Give every dense Linear of ``model`` the native decode path and its ``--dense-dtype`` weight.
+
+    ``min_bytes``: a float weight of fewer bytes is left as it is (None: :data:`MIN_NATIVE_BYTES`, read
+    at the call, so tests can set it to 0 and run every weight of a tiny model natively).
+
+    Raises:
+        OptionError: a --dense-dtype this compute dtype or device cannot take (:func:`resolve_dense_dtype`).
+    """
+    fmt = resolve_dense_dtype(dense_dtype, compute, device)
+    min_bytes = MIN_NATIVE_BYTES if min_bytes is None else min_bytes
+    path = DensePath()
+    for name, module in dense_linears(model):
+        if module.weight.numel() * module.weight.element_size() < min_bytes:
+            continue  # a few KB (e.g. Qwen2-MoE's shared-expert gate [1, H]): float, F.linear, as it is
+        w = stored_weight(module.weight, fmt)
+        path.weights[module] = w
+        path.native.add(name)
+        path._undo.append((module, module.__dict__.get("forward")))
+        module.forward = _forward(path, module, w, device.type == "cpu", _custom_ops())
+    return path
+
+
+def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
+    """The forward of one wrapped Linear: x [..., C] -> [..., R] in x's dtype (``ops``: :func:`_custom_ops`,
+    registered before any tracing)."""
+    bias, rows = module.bias, kl.rows_of(w)
+    limit = kl.max_tokens(w) if native else -1
+    # kernels.linear falls back to F.linear(x, w) itself (e.g. several intra-op threads on a float
+    # weight), which needs w in x's dtype: only a bf16 weight under float32 compute is planned here.
+    planned = isinstance(w, torch.Tensor) and w.dtype != module.weight.dtype
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [T, C]
+        if path.reference or x2.shape[0] > limit:
+            return F.linear(x, as_dense(w, x.dtype), bias)
+        if torch.compiler.is_compiling():
+            y = _op(ops, x2, w)
+        elif planned and kl.plan(x2, w) == "gemm":
+            return F.linear(x, as_dense(w, x.dtype), bias)
+        else:
+            path.calls += 1
+            y = kl.linear(x2, w)  # [T, R]
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], rows)
+
+    return forward
+
+
+def _op(ops, x: torch.Tensor, w) -> torch.Tensor:
+    """The native product as a custom op (under torch.compile): x [T, C] -> [T, R]."""
+    if isinstance(w, LowBitWeight):
+        return ops[1](x, w.codes, w.scales, w.zeros, w.bits, w.rows, w.cols, w.group_size)
+    return ops[0](x, w)
+
+
+@functools.cache
+def _custom_ops():
+    """Register ``moespec::dense_gemv`` (float weight) and ``moespec::dense_gemv_q`` (low-bit) once."""
+
+    @torch.library.custom_op("moespec::dense_gemv", mutates_args=())
+    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kl.linear(x, w) if kl.plan(x, w) != "gemm" else F.linear(x, w.to(x.dtype))
+
+    @gemv.register_fake
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.custom_op("moespec::dense_gemv_q", mutates_args=())
+    def gemv_q(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               rows: int, cols: int, group: int) -> torch.Tensor:
+        return kl.linear(x, LowBitWeight(bits, rows, cols, group, codes, scales, zeros))
+
+    @gemv_q.register_fake
+    def _(x, codes, scales, zeros, bits, rows, cols, group):
+        return x.new_empty(x.shape[0], rows)
+
+    return gemv, gemv_q
