@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lowbit_weights import random_lowbit
 
 from moespec.kernels import linear as L
 from moespec.kernels import native
-from moespec.kernels.lowbit import LowBitWeight, dequantize, groups_per_row, pack_codes
+from moespec.kernels.lowbit import dequantize
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=native.status().note or "")
 
-
-def _lowbit(bits: int, rows: int, cols: int, group: int, seed: int = 0) -> LowBitWeight:
-    gen = torch.Generator().manual_seed(seed)
-    n = groups_per_row(cols, group)
-    codes = torch.randint(0, 2**bits, (rows, cols), dtype=torch.uint8, generator=gen)
-    scales = (torch.rand(rows * n, generator=gen) * 0.02 + 0.001).half()
-    zeros = torch.randint(0, 2**bits, (rows * n,), dtype=torch.uint8, generator=gen)
-    return LowBitWeight(bits, rows, cols, group, pack_codes(codes, bits), scales, zeros)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -39,7 +32,7 @@ SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128)
 @pytest.mark.parametrize("rows,cols,group", SHAPES)
 @pytest.mark.parametrize("tokens", [1, 3, 5, 9, 16])  # 1: t1.c; 3: tokens.c; 5, 9, 16: tiles.c (8, 16 wide)
 def test_lowbit_kernels_equal_dequantise_then_linear(bits, rows, cols, group, tokens):
-    w = _lowbit(bits, rows, cols, group)
+    w = random_lowbit(bits, rows, cols, group)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(1))
     assert L.plan(x, w) == "fused"
     assert _rel(L.linear(x, w), L.linear_reference(x, w)) < 2e-6
@@ -52,7 +45,7 @@ def test_lowbit_kernels_equal_dequantise_then_linear(bits, rows, cols, group, to
 @pytest.mark.parametrize("bits", [8, 4])
 def test_native_dequantisation_is_bit_for_bit_the_reference(bits):
     for rows, cols, group in SHAPES:
-        w = _lowbit(bits, rows, cols, group, seed=rows)
+        w = random_lowbit(bits, rows, cols, group, seed=rows)
         assert torch.equal(L._dense_rows(w, 0, rows, torch.float32), dequantize(w, torch.float32))
         assert torch.equal(L._dense_rows(w, 2, 5, torch.float32), dequantize(w, torch.float32)[2:5])
 
@@ -70,7 +63,7 @@ def test_dense_kernels_equal_linear(dtype, rows, cols, tokens):
 
 
 def test_prefill_chunks_and_other_devices_take_the_gemm_path():
-    w = _lowbit(4, 8, 64, 64)
+    w = random_lowbit(4, 8, 64, 64)
     x = torch.randn(L.FUSED_MAX_TOKENS + 1, 64)
     assert L.plan(x, w) == "gemm" and L.plan(x, w, act_int8=True) == "gemm"
     assert torch.equal(L.linear(x, w), L.linear_reference(x, w))  # the same dequantised weights, F.linear
@@ -89,7 +82,7 @@ def test_prefill_chunks_and_other_devices_take_the_gemm_path():
 
 def test_rows_split_over_calls_equal_one_call():
     """What the host pool's threads do: each computes a range of output rows into one y."""
-    w = _lowbit(4, 50, 96, 32)
+    w = random_lowbit(4, 50, 96, 32)
     x = torch.randn(1, 96)
     p = L.prepare(x, w)
     y = L.new_output(p, 50)
@@ -108,7 +101,7 @@ def test_token_tiles_equal_the_reference_with_row_splits(bits, tokens):
     y = torch.full((tokens, rows), float("nan"))
     lib = native.library()
     if bits:
-        w = _lowbit(bits, rows, cols, 32, seed=tokens)
+        w = random_lowbit(bits, rows, cols, 32, seed=tokens)
         want = torch.nn.functional.linear(x, dequantize(w, torch.float32))
         kind = native.KIND_Q4 if bits == 4 else native.KIND_Q8
         args = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), None, cols, 32)

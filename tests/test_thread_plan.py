@@ -16,25 +16,18 @@ import threading
 
 import pytest
 import torch
+from lowbit_weights import random_lowbit
 from tiny import make_checkpoint
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.kernels import linear as L
 from moespec.kernels import native, row_pool
-from moespec.kernels.lowbit import LowBitWeight, groups_per_row, pack_codes
+from moespec.kernels.lowbit import LowBitWeight
 from moespec.runtime.engine import Engine
 from moespec.runtime.load import load_offloaded
 
 needs_kernels = pytest.mark.skipif(native.library() is None, reason=native.status().note or "")
 
-
-def _lowbit(bits: int, rows: int, cols: int, group: int, seed: int = 0) -> LowBitWeight:
-    gen = torch.Generator().manual_seed(seed)
-    n = groups_per_row(cols, group)
-    codes = torch.randint(0, 2**bits, (rows, cols), dtype=torch.uint8, generator=gen)
-    scales = (torch.rand(rows * n, generator=gen) * 0.02 + 0.001).half()
-    zeros = torch.randint(0, 2**bits, (rows * n,), dtype=torch.uint8, generator=gen)
-    return LowBitWeight(bits, rows, cols, group, pack_codes(codes, bits), scales, zeros)
 
 
 @pytest.fixture()
@@ -48,8 +41,8 @@ def _weights():
     gen = torch.Generator().manual_seed(3)
     yield "float32", torch.randn(1003, 320, generator=gen)
     yield "bfloat16", torch.randn(517, 256, generator=gen).bfloat16()
-    yield "int8", _lowbit(8, 1001, 256, 64)
-    yield "int4", _lowbit(4, 999, 320, 64)
+    yield "int8", random_lowbit(8, 1001, 256, 64)
+    yield "int4", random_lowbit(4, 999, 320, 64)
 
 
 @needs_kernels
