@@ -354,7 +354,9 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
     marker = {"recipe_version": RECIPE_VERSION, "recipe_digest": digest, "name": DEFAULT_MODEL_NAME,
               "file_bytes": files, "build_s": round(build_s, 1), "conversion_s": round(report.seconds, 1),
               "recorded_fits": recorded is not None, "answers_correct": not wrong, "versions": versions}
-    write_marker(out, marker)
+    from moespec.default_model.verify import record_digest
+
+    write_marker(out, record_digest(out, marker))  # the XXH3-128 of the weights, checked at load (verify.py)
     _step(console, "checkpoint, tokenizer and card written", t)
 
 
