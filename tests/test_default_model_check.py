@@ -79,3 +79,38 @@ def test_a_read_only_folder_without_a_digest_still_runs(folder, monkeypatch):
     check = start_check(folder)
     check.result()
     assert "could not record" in check.note and build.is_complete(folder)
+
+
+def _tiny_default(tiny_models, tmp_path, monkeypatch, with_digest: bool):
+    """A tiny model placed as the default model of a tmp MOESPEC_HOME (never the shared one)."""
+    import shutil
+
+    monkeypatch.setenv("MOESPEC_HOME", str(tmp_path / "home"))
+    folder = build.default_model_dir()
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    marker = {"recipe_digest": build.recipe_digest(),
+              "file_bytes": {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}}
+    build.write_marker(folder, record_digest(folder, marker) if with_digest else marker)
+    return folder
+
+
+def test_open_model_checks_the_weights_before_the_first_token(tiny_models, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from moespec.chat.open_model import open_model
+    from moespec.config import RuntimeConfig
+
+    folder = _tiny_default(tiny_models, tmp_path, monkeypatch, with_digest=False)
+    out = io.StringIO()
+    open_model(None, RuntimeConfig(), Console(file=out, width=200)).close()  # first use: recorded
+    assert "recorded the checksum" in out.getvalue()
+    assert DIGEST_FIELD in build.build_marker(folder)
+    out = io.StringIO()
+    open_model(None, RuntimeConfig(), Console(file=out, width=200)).close()
+    assert "checksum" not in out.getvalue()
+    _flip(folder / WEIGHTS_FILE, (folder / WEIGHTS_FILE).stat().st_size - 5)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        open_model(None, RuntimeConfig(), Console(file=io.StringIO()))
+    assert not build.is_complete(folder)
