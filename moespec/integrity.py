@@ -157,6 +157,39 @@ def json_safe(obj):
     return obj
 
 
+# The checksum field of a JSON file moespec writes and reads back (eval per-arm results, the
+# estimator-states manifest, the default build's marker and state.json).
+JSON_DIGEST_KEY = "xxh3"
+
+
+def json_digest(obj: Mapping) -> str:
+    """XXH3-128 hex digest of ``obj``'s canonical JSON, without its ``JSON_DIGEST_KEY`` field.
+
+    Canonical: sorted keys, no spaces, ASCII, NaN/Infinity as Python's json writes them, so a
+    parsed-back object gives the digest it was written with (floats round-trip exactly).
+    """
+    rest = {k: v for k, v in obj.items() if k != JSON_DIGEST_KEY}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    h = new_hasher()
+    h.update(text.encode("ascii"))
+    return h.hexdigest()
+
+
+def seal_json(obj: Mapping) -> dict:
+    """``obj`` (a JSON object) with its checksum field set: write this, read it with :func:`open_json`."""
+    return {**{k: v for k, v in obj.items() if k != JSON_DIGEST_KEY}, JSON_DIGEST_KEY: json_digest(obj)}
+
+
+def open_json(obj) -> tuple[object, bool | None]:
+    """(``obj`` without its checksum field, verdict): True when the field matches the rest, False
+    when it does not (a damaged file: treat it like a truncated one), None when ``obj`` has no field
+    (a file written before it existed, or not a JSON object: accepted as before)."""
+    if not isinstance(obj, dict) or JSON_DIGEST_KEY not in obj:
+        return obj, None
+    rest = {k: v for k, v in obj.items() if k != JSON_DIGEST_KEY}
+    return rest, obj[JSON_DIGEST_KEY] == json_digest(rest)
+
+
 def per_tensor_digests(tensors: Mapping[str, object]) -> dict[str, str]:
     """{DIGEST_KEY: JSON of name -> digest of that tensor alone}: for files read a few tensors at a time."""
     return {DIGEST_KEY: json.dumps({name: tensors_digest({name: t}) for name, t in sorted(tensors.items())})}

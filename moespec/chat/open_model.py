@@ -67,8 +67,19 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
             raise ModelNotFoundError("this build has no embedded default model",
                                      "pass MODEL: a local folder or a Hub id (`moespec download MODEL`)") from None
         path = ensure_default_model(console)
+        from moespec.default_model.verify import start_check
+
+        check = start_check(path)  # hashes the weights on a second thread while they load
     else:
         path = resolve_model(model)
     tokenizer = load_tokenizer(path, cfg.dtype)  # a broken config or tokenizer: said before the weights load
     om = load_offloaded(path, cfg, StatsRecorder())  # wires the recorder's synchronize to the engine
+    if model is None:
+        try:
+            check.result()  # before the first token: a mismatch removes the marker, one line
+        except BaseException:
+            om.close()
+            raise
+        if check.note and console is not None:
+            console.print(f"[dim]{check.note}[/]")
     return OpenedModel(Engine(om), tokenizer, Path(path))

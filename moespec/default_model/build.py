@@ -32,6 +32,7 @@ from moespec.default_model.heap import keep_freed_memory
 from moespec.default_model.recipe import RECIPE_VERSION, calibration_windows, recipe_digest  # noqa: F401
 from moespec.errors import OutputError
 from moespec.fsutil import temp_folder_beside
+from moespec.integrity import open_json, seal_json
 from moespec.paths import models_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-moe-e16k4"
@@ -55,10 +56,19 @@ def state_dir() -> Path:
 def build_marker(folder: Path) -> dict | None:
     """The marker of a finished build in ``folder`` (recipe digest, file sizes, build time), or None."""
     try:
-        marker = json.loads((folder / MARKER_FILE).read_text(encoding="utf-8"))
-        return marker if isinstance(marker, dict) else None
+        marker, intact = open_json(json.loads((folder / MARKER_FILE).read_text(encoding="utf-8")))
+        # A damaged marker (its "xxh3" differs) is no marker: the build is made again. One without
+        # the field (a build made before it existed) is accepted, so no existing build is rebuilt.
+        return marker if isinstance(marker, dict) and intact is not False else None
     except (OSError, ValueError):
         return None
+
+
+def write_marker(folder: Path, marker: dict) -> None:
+    """Write ``folder``'s build marker atomically, with the XXH3-128 of its JSON (integrity.seal_json)."""
+    from moespec.fsutil import atomic_write_text
+
+    atomic_write_text(folder / MARKER_FILE, json.dumps(seal_json(marker), indent=2) + "\n")
 
 
 def is_complete(folder: Path) -> bool:
@@ -150,7 +160,7 @@ def refresh_card(folder: Path, recorded: dict) -> None:
     marker = build_marker(folder)
     if marker is not None:
         marker["file_bytes"]["README.md"] = path.stat().st_size
-        atomic_write_text(folder / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+        write_marker(folder, marker)
 
 
 def _step(console: Console, text: str, start: float) -> float:
@@ -344,7 +354,9 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
     marker = {"recipe_version": RECIPE_VERSION, "recipe_digest": digest, "name": DEFAULT_MODEL_NAME,
               "file_bytes": files, "build_s": round(build_s, 1), "conversion_s": round(report.seconds, 1),
               "recorded_fits": recorded is not None, "answers_correct": not wrong, "versions": versions}
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    from moespec.default_model.verify import record_digest
+
+    write_marker(out, record_digest(out, marker))  # the XXH3-128 of the weights, checked at load (verify.py)
     _step(console, "checkpoint, tokenizer and card written", t)
 
 

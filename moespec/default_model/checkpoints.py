@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from moespec.default_model.convert import LayerFits, LayerReport
 from moespec.fsutil import atomic_path, atomic_write_text
-from moespec.integrity import digest_metadata, nonfinite, safetensors_damage, verify_digest
+from moespec.integrity import digest_metadata, nonfinite, open_json, safetensors_damage, seal_json, verify_digest
 
 STATE_FILE = "state.json"
 HIDDEN_FILE = "hidden.safetensors"
@@ -56,7 +56,9 @@ class LayerCheckpoints:
             OSError: the folder cannot be created or read.
         """
         try:
-            state = json.loads((self.folder / STATE_FILE).read_text(encoding="utf-8"))
+            state, intact = open_json(json.loads((self.folder / STATE_FILE).read_text(encoding="utf-8")))
+            if intact is False:  # damaged: the checkpoints are made again, as for a missing state
+                raise ValueError("state.json's checksum does not match its contents")
             done = self._hidden_after() + 1
             if state.get("digest") != self.digest or not all(
                     (self.folder / _layer_file(i)).is_file() for i in range(done)):
@@ -67,7 +69,7 @@ class LayerCheckpoints:
         except (OSError, ValueError, KeyError, TypeError, SafetensorError):
             self.remove()
             self.folder.mkdir(parents=True)
-            atomic_write_text(self.folder / STATE_FILE, json.dumps({"digest": self.digest}) + "\n")
+            atomic_write_text(self.folder / STATE_FILE, json.dumps(seal_json({"digest": self.digest})) + "\n")
             return 0
 
     def _hidden_after(self) -> int:

@@ -288,8 +288,6 @@ def collect_states(om, plan, manifest: StatesManifest, predictors: dict[str, Nex
 def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayerPredictor], folder: Path,
              vectors: torch.Tensor | None, progress: Progress | None, shard_bytes: int,
              truncate: bool) -> StatesManifest:
-    from moespec.fsutil import atomic_write_text
-
     maker = predictors[manifest.input]
     with torch.inference_mode():
         train = ShardWriter(folder, "train", shard_bytes)
@@ -306,8 +304,16 @@ def _collect(om, plan, manifest: StatesManifest, predictors: dict[str, NextLayer
     manifest.tokens, manifest.heldout_tokens = train.rows, held.rows
     manifest.shards = {"train": train.names, "heldout": held.names}
     manifest.baseline = baseline_recall(scorer, maker, manifest.moe_layers)
-    atomic_write_text(folder / MANIFEST, json.dumps(asdict(manifest), indent=1, allow_nan=True))
+    write_manifest(folder, manifest)
     return manifest
+
+
+def write_manifest(folder: Path, manifest: StatesManifest) -> None:
+    """Write ``folder``'s manifest atomically, with the XXH3-128 of its JSON (integrity.seal_json)."""
+    from moespec.fsutil import atomic_write_text
+    from moespec.integrity import seal_json
+
+    atomic_write_text(Path(folder) / MANIFEST, json.dumps(seal_json(asdict(manifest)), indent=1, allow_nan=True))
 
 
 def states_bytes(plan, manifest: StatesManifest) -> int:
@@ -342,7 +348,11 @@ def read_manifest(folder: Path) -> StatesManifest | None:
     if not path.is_file():
         return None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        from moespec.integrity import open_json
+
+        raw, intact = open_json(json.loads(path.read_text(encoding="utf-8")))
+        if intact is False:  # its "xxh3" field differs from the rest: damaged like a cut file
+            raise ValueError("its checksum does not match its contents")
         if raw.get("format") != FORMAT or int(raw.get("format_version", 0)) > FORMAT_VERSION:
             raise ValueError(f"format {raw.get('format')!r} version {raw.get('format_version')}")
         manifest = StatesManifest(**raw)

@@ -4,7 +4,9 @@
 settings that change what runs, the generation limit) and, per task, the data file's SHA-256 and one
 record per item by doc_id. A run skips the items its file already has; a file made with another key
 or other task data is refused (``--fresh`` starts it again). Ctrl-C loses at most the items since the
-last write (at most ``SAVE_EVERY_S`` seconds of work).
+last write (at most ``SAVE_EVERY_S`` seconds of work). The file carries an XXH3-128 of the rest of
+its JSON (``integrity.seal_json``); a mismatch is refused like an unreadable file, a file without it
+(older) is read as before.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from moespec.errors import OutputError
 from moespec.fsutil import atomic_write_text
+from moespec.integrity import open_json, seal_json
 
 FORMAT = "moespec-eval-arm"
 FORMAT_VERSION = 1
@@ -45,7 +48,9 @@ class ArmResults:
         if fresh or not path.exists():
             return cls(path, key)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data, intact = open_json(json.loads(path.read_text(encoding="utf-8")))
+            if intact is False:  # its "xxh3" field differs from the rest: damaged like a cut file
+                raise ValueError("its checksum does not match its contents")
         except (OSError, ValueError) as exc:
             raise OutputError(f"{path} is not a readable result file ({exc})",
                               "pass --fresh to start this arm again, or another --out") from None
@@ -82,5 +87,5 @@ class ArmResults:
     def save(self) -> None:
         """Write the file atomically (fsutil)."""
         data = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": self.key, "tasks": self.tasks}
-        atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(self.path, json.dumps(seal_json(data), indent=1, sort_keys=True) + "\n")
         self._saved_at = time.monotonic()

@@ -1,0 +1,89 @@
+"""The default model's weights checked by their bytes: an XXH3-128 recorded at build, verified at load.
+
+The build marker (build.MARKER_FILE) records ``file_xxh3``: the XXH3-128 of ``model.safetensors``'s
+bytes (integrity.file_digest), written when the build finishes. At load, :func:`start_check` hashes
+the file on a second thread while the caller loads the model (xxhash hashes without the GIL, so
+the load is not held up: the same overlap as integrity.start_read_hashed for the int4 store), and
+:meth:`ModelCheck.result` joins it before the first token:
+
+- the digest matches: nothing to do;
+- it differs: the marker is removed (so the next start builds the model again, like a damaged
+  int4 store is rebuilt) and CheckpointError says so in one line;
+- the marker has no ``file_xxh3`` (a build made before it existed): it is NOT rebuilt; the digest
+  just computed is written into the marker ("trust on first use") and checked from then on.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from moespec.errors import CheckpointError
+
+WEIGHTS_FILE = "model.safetensors"
+DIGEST_FIELD = "file_xxh3"
+
+
+def record_digest(folder: Path, marker: dict) -> dict:
+    """``marker`` with ``file_xxh3`` = {WEIGHTS_FILE: XXH3-128 hex of its bytes}: for the build's end."""
+    from moespec.integrity import file_digest
+
+    return {**marker, DIGEST_FIELD: {WEIGHTS_FILE: file_digest(Path(folder) / WEIGHTS_FILE)}}
+
+
+class ModelCheck:
+    """A running check of ``folder / model.safetensors`` against its build marker (see module doc).
+
+    Args:
+        folder: a finished default-model folder (build.is_complete).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.note: str | None = None  # one line for the user, set by result() on first use
+        self._digest: str | None = None
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._hash, name="moespec-model-check", daemon=True)
+        self._thread.start()
+
+    def _hash(self) -> None:
+        from moespec.integrity import file_digest
+
+        try:
+            self._digest = file_digest(self.folder / WEIGHTS_FILE)
+        except OSError as exc:
+            self._error = exc
+
+    def result(self) -> None:
+        """Wait for the hash and act on it (see module doc).
+
+        Raises:
+            CheckpointError: the weights differ from the digest recorded at build, or cannot be read;
+                the marker is removed first, so the next start builds the model again.
+        """
+        from moespec.default_model import build
+
+        self._thread.join()
+        path = self.folder / WEIGHTS_FILE
+        marker = build.build_marker(self.folder)
+        if marker is None:  # removed or damaged meanwhile: the next start rebuilds; nothing to compare
+            return
+        want = (marker.get(DIGEST_FIELD) or {}).get(WEIGHTS_FILE)
+        if self._error is None and want == self._digest:
+            return
+        if self._error is None and want is None:  # trust on first use: a build from before the field
+            try:
+                build.write_marker(self.folder, {**marker, DIGEST_FIELD: {WEIGHTS_FILE: self._digest}})
+                self.note = f"recorded the checksum of {path} (built before checksums)"
+            except OSError as exc:  # a read-only cache still runs; checked once it is writable
+                self.note = f"could not record the checksum of {path}: {exc.strerror}"
+            return
+        (self.folder / build.MARKER_FILE).unlink(missing_ok=True)
+        what = f"cannot be read ({self._error.strerror})" if self._error else "does not match its checksum"
+        raise CheckpointError(f"default model weights {path} {what}",
+                              "run the command again: the default model is built again")
+
+
+def start_check(folder: Path) -> ModelCheck:
+    """Start checking ``folder``'s weights on a second thread; call ``.result()`` before the first token."""
+    return ModelCheck(folder)
