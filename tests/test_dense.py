@@ -188,3 +188,16 @@ def test_default_model_native_equals_reference(default_model, dense_dtype):
         om.close()
     assert fast_toks == ref_toks
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-4)
+
+
+def test_the_start_line_names_a_dense_dtype(tiny_models):
+    # A user must see that --dense-dtype took effect (the expert dtype in the line is the experts').
+    from moespec.chat.open_model import open_model
+
+    for dense, shown in (("auto", False), ("int8", True)):
+        cfg = RuntimeConfig(cache_experts=4, dense_dtype=dense)
+        opened = open_model(str(tiny_models["qwen3_moe"]), cfg)
+        try:
+            assert ("dense linears int8" in opened.describe(cfg)) is shown
+        finally:
+            opened.close()

@@ -36,7 +36,8 @@ class OpenedModel:
                 f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of "
                 f"{om.store.expert_bytes / 1e6:.2f} MB ({expert_format(om.store.layout, om.dtype)}) on "
                 f"{om.device}; predictor {cfg.predictor.value}, execute {cfg.execute.value}, "
-                f"cache policy {om.cache.policy.value}")
+                f"cache policy {om.cache.policy.value}"
+                + (f", dense linears {cfg.dense_dtype}" if cfg.dense_dtype not in (None, "auto") else ""))
 
     def close(self) -> None:
         """Stop the runtime's background work."""

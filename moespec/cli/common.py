@@ -262,8 +262,9 @@ def optional_str(value: Optional[str]) -> Optional[str]:
 
 DenseDtype = typer.Option("auto", "--dense-dtype",
                           help="The dense linears' and lm_head's weights (attention, shared expert, lm_head; "
-                               "weight-only, CPU): auto (= --dtype), bf16 (half the float32 bytes) or int8 "
-                               "(group-wise, ~0.28x). Exact mode is then exact for the quantised model.")
+                               "weight-only, CPU): auto (= --dtype), float32, bf16 (half the float32 bytes read per "
+                               "token) or int8 (group-wise, ~0.28x). Exact mode is then exact for the quantised "
+                               "model. The float weights stay loaded too (more RAM, not less).")
 CompileOpt = typer.Option("auto", "--compile",
                           help="Decode steps' dense parts (attention, norms, lm_head) through torch.compile: "
                                "on, off, or auto (on for CUDA, off on CPU where it measured no faster). The "

@@ -248,7 +248,8 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
             f"[dim]{Path(path).name}: {len(om.store.moe_layers)} MoE layers × {om.store.num_experts} experts "
             f"(top-{om.adapter.top_k()}), {om.cache.num_slots} cache slots of {om.store.expert_bytes / 1e6:.3f} MB "
             f"({expert_format(om.store.layout, om.dtype)}) "
-            f"on {om.device}, cache policy {om.cache.policy.value}[/]")
+            f"on {om.device}, cache policy {om.cache.policy.value}"
+            + (f", dense linears {dense_dtype}" if dense_dtype not in (None, "auto") else "") + "[/]")
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline,
                              decode_inputs=forced, copy_share=copy_share)
