@@ -64,6 +64,17 @@ def build_marker(folder: Path) -> dict | None:
         return None
 
 
+WEIGHTS_FILE = "model.safetensors"
+DIGEST_FIELD = "file_xxh3"  # the marker's {WEIGHTS_FILE: XXH3-128 hex}, checked at load (verify.py)
+
+
+def record_digest(folder: Path, marker: dict) -> dict:
+    """``marker`` with ``file_xxh3`` = {WEIGHTS_FILE: XXH3-128 hex of its bytes}: for the build's end."""
+    from moespec.integrity import file_digest
+
+    return {**marker, DIGEST_FIELD: {WEIGHTS_FILE: file_digest(Path(folder) / WEIGHTS_FILE)}}
+
+
 def write_marker(folder: Path, marker: dict) -> None:
     """Write ``folder``'s build marker atomically, with the XXH3-128 of its JSON (integrity.seal_json)."""
     from moespec.fsutil import atomic_write_text
@@ -354,8 +365,6 @@ def _build_into(out: Path, console: Console, full: bool = False) -> None:
     marker = {"recipe_version": RECIPE_VERSION, "recipe_digest": digest, "name": DEFAULT_MODEL_NAME,
               "file_bytes": files, "build_s": round(build_s, 1), "conversion_s": round(report.seconds, 1),
               "recorded_fits": recorded is not None, "answers_correct": not wrong, "versions": versions}
-    from moespec.default_model.verify import record_digest
-
     write_marker(out, record_digest(out, marker))  # the XXH3-128 of the weights, checked at load (verify.py)
     _step(console, "checkpoint, tokenizer and card written", t)
 

@@ -18,17 +18,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from moespec.default_model.build import DIGEST_FIELD, WEIGHTS_FILE, record_digest  # noqa: F401 (re-exported)
 from moespec.errors import CheckpointError
-
-WEIGHTS_FILE = "model.safetensors"
-DIGEST_FIELD = "file_xxh3"
-
-
-def record_digest(folder: Path, marker: dict) -> dict:
-    """``marker`` with ``file_xxh3`` = {WEIGHTS_FILE: XXH3-128 hex of its bytes}: for the build's end."""
-    from moespec.integrity import file_digest
-
-    return {**marker, DIGEST_FIELD: {WEIGHTS_FILE: file_digest(Path(folder) / WEIGHTS_FILE)}}
 
 
 class ModelCheck:
