@@ -9,7 +9,7 @@ import torch
 
 from moespec.predict.calibration_file import config_hash
 from moespec.errors import CalibrationError
-from moespec.estimator.collect import ShardWriter, StatesManifest, load_shard
+from moespec.estimator.states import ShardWriter, StatesManifest, load_shard
 from moespec.predict.estimator_file import EstimatorFile, check_matches, load_estimator, save_estimator
 from moespec.estimator.hybrid import HybridConfig, choose
 from moespec.predict.estimator_net import EstimatorBank, EstimatorShape

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from moespec.calibrate.data import ChunkPlan
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig, SamplingConfig
 from moespec.errors import CalibrationError, DataError
-from moespec.estimator.collect import StatesManifest, collect_states, load_shard
+from moespec.estimator.collect import collect_states
+from moespec.estimator.states import StatesManifest, load_shard
 from moespec.artifacts import default_estimator_path
 from moespec.predict.estimator_file import load_estimator, save_estimator
 from moespec.estimator.hybrid import HybridConfig

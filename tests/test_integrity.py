@@ -153,18 +153,14 @@ def test_nan_estimator_weights_are_refused(tmp_path):
 
 
 def test_a_truncated_states_shard_is_refused_before_the_model_loads(tmp_path, tiny_models):
-    from moespec.estimator.collect import (MANIFEST, ShardWriter, StatesManifest, load_shard, read_manifest)
+    from tiny_states import one_shard_states
+
+    from moespec.estimator.states import MANIFEST, load_shard, read_manifest
 
     folder = tmp_path / "states"
-    folder.mkdir()
-    writer = ShardWriter(folder, "train")
-    writer.add({"state/0": torch.randn(8, 4).to(torch.bfloat16), "logits/0": torch.randn(8, 3)})
-    writer.flush()
-    man = StatesManifest(model="m", config_hash="c", router_fingerprint="r", moe_layers=[0, 1], layers=[0],
-                         targets=[1], input="router", hidden=4, experts=3, top_k=1, tokens=8,
-                         shards={"train": writer.names, "heldout": []})
+    man = one_shard_states(folder)
     (folder / MANIFEST).write_text(json.dumps(__import__("dataclasses").asdict(man)))
-    shard = folder / writer.names[0]
+    shard = folder / man.shards["train"][0]
     assert read_manifest(folder) is not None
     good = shard.read_bytes()
     shard.write_bytes(good[:-7])

@@ -20,7 +20,7 @@ import torch
 
 import writers
 from moespec.errors import CalibrationError, DataError
-from moespec.estimator.collect import load_shard, read_vectors, save_vectors
+from moespec.estimator.states import load_shard, read_vectors, save_vectors
 from moespec.integrity import DIGEST_KEY, digest_metadata, per_tensor_digests, with_digest
 from moespec.predict.calibration_file import load_calibration
 from moespec.predict.estimator_file import load_estimator

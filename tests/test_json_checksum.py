@@ -70,18 +70,12 @@ def test_eval_arm_results(tmp_path):
 
 
 def test_estimator_states_manifest(tmp_path):
-    import torch
+    from tiny_states import one_shard_states
 
-    from moespec.estimator.collect import MANIFEST, ShardWriter, StatesManifest, read_manifest, write_manifest
+    from moespec.estimator.states import MANIFEST, read_manifest, write_manifest
 
     folder = tmp_path / "states"
-    folder.mkdir()
-    writer = ShardWriter(folder, "train")
-    writer.add({"state/0": torch.randn(8, 4).to(torch.bfloat16), "logits/0": torch.randn(8, 3)})
-    writer.flush()
-    man = StatesManifest(model="m", config_hash="c", router_fingerprint="r", moe_layers=[0, 1], layers=[0],
-                         targets=[1], input="router", hidden=4, experts=3, top_k=1, tokens=8,
-                         shards={"train": writer.names, "heldout": []})
+    man = one_shard_states(folder)
     write_manifest(folder, man)
     path = folder / MANIFEST
     assert read_manifest(folder) == man

@@ -59,7 +59,7 @@ def quant_store(target: Path, mb: float = 0) -> None:
 
 
 def states_shard(target: Path, mb: float = 0) -> None:
-    from moespec.estimator.collect import ShardWriter
+    from moespec.estimator.states import ShardWriter
 
     rows = max(4, int(mb * 2**20 / (H * 2)))
     writer = ShardWriter(target.parent, target.name.split("-")[0])

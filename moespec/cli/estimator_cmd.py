@@ -76,7 +76,7 @@ def train_estimator(
     from moespec.predict.calibration_file import ensure_writable
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
-    from moespec.estimator.collect import read_manifest
+    from moespec.estimator.states import read_manifest
     from moespec.artifacts import default_estimator_path
     from moespec.estimator.hybrid import HybridConfig
     from moespec.estimator.run import EstimatorConfig
@@ -202,7 +202,7 @@ def _plan(path, source, cfg, asked: bool, dtype: str = "auto"):
 
 
 def _served_layers(om, cfg, calib, plan, folder, reuse: bool) -> tuple[list[int], str]:
-    from moespec.estimator.collect import read_manifest
+    from moespec.estimator.states import read_manifest
     from moespec.estimator.run import auto_layers, check_layers
 
     if cfg.layers is not None:

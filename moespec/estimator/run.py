@@ -22,8 +22,8 @@ import torch
 
 from moespec.artifacts import find_calibration, model_key
 from moespec.errors import CalibrationError, DataError, OptionError
-from moespec.estimator.collect import (StatesManifest, collect_states, read_manifest, read_vectors,
-                                       vectors_digest)
+from moespec.estimator.collect import collect_states
+from moespec.estimator.states import StatesManifest, read_manifest, read_vectors, vectors_digest
 from moespec.estimator.hybrid import HybridConfig, LayerChoice, choose, predictor_costs
 from moespec.estimator.train import TrainConfig, TrainProgress, TrainResult, train_bank
 from moespec.models.base import Routing

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moespec.estimator.collect import StatesManifest, load_shard
+from moespec.estimator.states import StatesManifest, load_shard
 from moespec.predict.estimator_net import EstimatorBank
 
 # Served layer l, logits [T, E] -> predicted expert ids [T, K] by the next layer's routing rule.
