@@ -95,13 +95,6 @@ def stored_weight(weight: torch.Tensor, fmt: torch.dtype | str | None) -> torch.
     return weight.detach().to(fmt).contiguous()
 
 
-def weight_bytes(w: torch.Tensor | LowBitWeight) -> int:
-    """Bytes ``w`` reads when multiplied once (codes + scales + zeros for a low-bit weight)."""
-    if isinstance(w, LowBitWeight):
-        return sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.zeros))
-    return w.numel() * w.element_size()
-
-
 def as_dense(w: torch.Tensor | LowBitWeight, dtype: torch.dtype) -> torch.Tensor:
     """``w`` as a [R, C] tensor in ``dtype`` (low-bit: dequantised): what F.linear multiplies."""
     return dequantize(w, dtype) if isinstance(w, LowBitWeight) else w.to(dtype)
@@ -127,7 +120,7 @@ class DensePath:
 
     def bytes_read(self, module: nn.Module) -> int:
         """Bytes one product of ``module``'s stored weight reads (bias left out: a few KB)."""
-        return weight_bytes(self.weights[module])
+        return kl.nbytes(self.weights[module])
 
     def uninstall(self) -> None:
         """Put the modules' own forwards back."""

@@ -93,11 +93,11 @@ class OffloadedModel:
     planner: MissPlanner | None = None
     compiled: object | None = None  # runtime.compile.CompiledDense when decode steps run compiled
     threads: ThreadPlan | None = None  # who runs where in a forward (runtime/threads.py); set in __post_init__
+    dense: object | None = None  # runtime.dense.DensePath
 
     def __post_init__(self) -> None:
         if self.threads is None:
             self.threads = ThreadPlan(self.device)
-    dense: object | None = None  # runtime.dense.DensePath
 
     # --- what the MoE layers run with ------------------------------------------------------
     @property
