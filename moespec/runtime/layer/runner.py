@@ -131,7 +131,8 @@ class MoeLayerRunner:
         # The thread plan (runtime/threads.py): the shared expert on an idle row worker while this
         # thread routes and computes the routed experts; None: computed here, after them.
         pool = row_pool.active() if self._has_shared else None
-        ticket = pool.start(_with_modes(lambda: self.adapter.shared_output(block, x))) if pool is not None else None
+        beside = pool is not None and pool.beside  # off by default: no wrapper built per layer then
+        ticket = pool.start(_with_modes(lambda: self.adapter.shared_output(block, x))) if beside else None
         out = self._decode(block, x, stats) if decode else self._prefill(block, x, stats)
         shared = self.adapter.shared_output(block, x) if ticket is None else ticket.result()
         return out if shared is None else out + shared
