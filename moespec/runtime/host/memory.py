@@ -22,22 +22,30 @@ from moespec.hub.sizes import HOST_HEADROOM_BYTES as HEADROOM_BYTES  # one numbe
 
 
 def available_bytes() -> int:
-    """Host RAM that can be allocated without swapping, in bytes (Linux MemAvailable; else free pages).
+    """Host RAM that can be allocated without swapping, in bytes: Linux MemAvailable (else free pages),
+    at most what the process's memory cgroup still allows (host/cgroup.py: a container's limit).
 
     ``MOESPEC_HOST_RAM_BYTES`` overrides it, for hosts whose memory grows on use (a VM balloon shows a
     small MemAvailable at start).
     """
+    from moespec.runtime.host.cgroup import cgroup_free_bytes
+
     override = os.environ.get("MOESPEC_HOST_RAM_BYTES")
     if override:
         return int(override)
+    have = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if have is None:
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = cgroup_free_bytes()
+    return have if limit is None else min(have, limit)
 
 
 def check_host_memory(need_bytes: int, what: str) -> None:
