@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moespec.runtime.host import memory
-from moespec.runtime.host.cgroup import cgroup_free_bytes
+from moespec.runtime.host.cgroup import cgroup_free_bytes, cgroup_memory
 
 MiB = 2**20
 
@@ -31,6 +31,7 @@ def test_v1_free_is_limit_less_usage_plus_inactive_file(tmp_path):
 def test_v1_a_parents_smaller_limit_counts(tmp_path):
     proc = _v1(tmp_path, limit=1400 * MiB, usage=600 * MiB, parent_limit=1000 * MiB)
     assert cgroup_free_bytes(proc, tmp_path) == 400 * MiB
+    assert cgroup_memory(proc, tmp_path) == (400 * MiB, 1000 * MiB)  # the tightest group's limit
 
 
 def test_v1_unlimited_is_none(tmp_path):
@@ -64,6 +65,16 @@ def test_available_bytes_is_at_most_the_cgroups_free_ram(monkeypatch):
     assert memory.available_bytes() > 300 * MiB  # MemAvailable (this machine has GiBs)
     monkeypatch.setenv("MOESPEC_HOST_RAM_BYTES", str(7 * MiB))
     assert memory.available_bytes() == 7 * MiB  # the override wins
+
+
+def test_the_headroom_is_a_tenth_of_a_cgroup_limit_at_most_512_mib(monkeypatch):
+    monkeypatch.delenv("MOESPEC_HOST_RAM_BYTES", raising=False)
+    monkeypatch.setattr("moespec.runtime.host.cgroup.cgroup_memory", lambda: (900 * MiB, 1400 * MiB))
+    assert memory.headroom_bytes() == 140 * MiB
+    monkeypatch.setattr("moespec.runtime.host.cgroup.cgroup_memory", lambda: (9 * 2**30, 16 * 2**30))
+    assert memory.headroom_bytes() == 512 * MiB == memory.HEADROOM_BYTES
+    monkeypatch.setattr("moespec.runtime.host.cgroup.cgroup_memory", lambda: None)
+    assert memory.headroom_bytes() == 512 * MiB
 
 
 def test_the_real_cgroup_reads_without_error():

@@ -39,20 +39,28 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def _free_in(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    """Free bytes under the limit of ``group`` (None: no limit there or unreadable)."""
+def _free_in(group: Path, limit_file: str, usage_file: str, inactive_key: str) -> tuple[int, int] | None:
+    """(free bytes, limit) of ``group`` (None: no limit there or unreadable)."""
     limit = _read_int(group / limit_file)
     if limit is None or limit >= UNLIMITED:
         return None
     usage = _read_int(group / usage_file)
     if usage is None:
         return None
-    return max(limit - usage + _stat(group / "memory.stat", inactive_key), 0)
+    return max(limit - usage + _stat(group / "memory.stat", inactive_key), 0), limit
 
 
 def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this process may still allocate under its memory cgroup's limits (module docstring), or None
     when no limit applies or it cannot be read (not Linux, no cgroup filesystem)."""
+    got = cgroup_memory(proc_cgroup, root)
+    return None if got is None else got[0]
+
+
+def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                  root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """(free bytes, limit bytes) of the tightest memory limit over this process's cgroup and its parents
+    (the one with the least free), or None when no limit applies or none can be read."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -69,14 +77,14 @@ def cgroup_free_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path 
             groups.append((root / rel, "memory.max", "memory.current", "inactive_file"))
     if any(g[1] == "memory.limit_in_bytes" for g in groups):
         groups = [g for g in groups if g[1] == "memory.limit_in_bytes"]
-    free = None
+    free: tuple[int, int] | None = None
     for base, limit_file, usage_file, key in groups:
         top = root / "memory" if limit_file == "memory.limit_in_bytes" else root
         group = base
         while True:  # the group and each parent up to the hierarchy's root: every limit counts
             got = _free_in(group, limit_file, usage_file, key)
-            if got is not None:
-                free = got if free is None else min(free, got)
+            if got is not None and (free is None or got[0] < free[0]):
+                free = got
             if group == top or top not in group.parents:
                 break
             group = group.parent

@@ -48,6 +48,17 @@ def available_bytes() -> int:
     return have if limit is None else min(have, limit)
 
 
+def headroom_bytes() -> int:
+    """RAM left free beside what moespec allocates: HEADROOM_BYTES (512 MiB, for the other processes of
+    the machine), or under a memory cgroup limit at most a tenth of that limit (host/cgroup.py: the
+    limit is the process's own, so the machine's other processes do not draw on it; a 1.4 GiB
+    container keeps 140 MiB, not a third of itself)."""
+    from moespec.runtime.host.cgroup import cgroup_memory
+
+    got = None if os.environ.get("MOESPEC_HOST_RAM_BYTES") else cgroup_memory()
+    return HEADROOM_BYTES if got is None else min(HEADROOM_BYTES, got[1] // 10)
+
+
 def check_host_memory(need_bytes: int, what: str) -> None:
     """Raise before allocating when ``need_bytes`` (+ headroom) do not fit in the available host RAM.
 
@@ -55,7 +66,7 @@ def check_host_memory(need_bytes: int, what: str) -> None:
         BudgetError: one line naming both numbers.
     """
     have = available_bytes()
-    if need_bytes + HEADROOM_BYTES > have:
+    if need_bytes + headroom_bytes() > have:
         raise BudgetError(f"{what} needs {need_bytes / 2**30:.1f} GiB of host RAM; "
                           f"{have / 2**30:.1f} GiB is available",
                           "free host memory or use a machine with more RAM (`moespec models` lists the "
