@@ -92,7 +92,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     from moespec.runtime.stats import StatsRecorder, summarize
 
     t0 = time.perf_counter()
-    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=parse_bytes(host_memory), disk_reads=disk_reads)
+    host = None if host_memory == "auto" else parse_bytes(host_memory)  # auto: the loader's default (disk_tier.py)
+    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads)
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     structure_routing(om, embed_scale)
@@ -109,17 +110,26 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
-        out = list(Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens, temperature=1.0, seed=0)))
+        out, mark = [], None
+        for tok in Engine(om).generate(prompt, SamplingConfig(max_new_tokens=tokens, temperature=1.0, seed=0)):
+            out.append(tok)
+            if mark is None:  # the prefill is done: decode's disk time starts here
+                mark = (time.perf_counter(), engine.busy_seconds(), engine.bytes_moved)
+        end = (time.perf_counter(), engine.busy_seconds(), engine.bytes_moved)
         summary = summarize(om.recorder.steps)
         disk = disk_numbers(summary, om.cache)
         gate = getattr(om.runner.prefetcher, "gate", None)
         gate = None if gate is None else [int(g["open"]) for g in gate.report().values()]
     finally:
         om.close()
+    wall_s, busy_s, nbytes = (b - a for a, b in zip(mark, end))
+    decode = {"decode_disk_gbps": round(nbytes / busy_s / 1e9, 3) if busy_s > 0 else None,
+              "decode_disk_busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
+              "decode_disk_mb_per_token": round(nbytes / 1e6 / max(len(out) - 1, 1), 1)}
     print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
-                      "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
+                      **decode, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
@@ -204,7 +214,7 @@ def main() -> None:
     a = sub.add_parser("arm")
     a.add_argument("folder", type=Path)
     a.add_argument("--predictor", default="router")
-    a.add_argument("--host-memory", default="1GiB")
+    a.add_argument("--host-memory", default="1GiB", help="the RAM tier, or auto (what fits under the cap)")
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--prompt-len", type=int, default=8)
     a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])

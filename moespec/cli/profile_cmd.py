@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import typer
 
 from moespec.cli.common import (CacheExperts, CachePolicyOpt, DenseDtype, Device, Dtype, EstimatorPath, ExpertDtype,
-                                Flag, GpuMemory, GroupSize, GuardRuleOpt, HostThreads, LinkGbps, Seed, Threads,
+                                Flag, GpuMemory, GroupSize, GuardRuleOpt, HostMemory, HostThreads, LinkGbps, Seed, Threads,
                                 err_console, handles_errors, print_notes, register_command, set_threads)
 from moespec.config import DEFAULT_FETCH_THRESHOLD
 
@@ -41,6 +41,9 @@ Examples:
 
   moespec profile --cache-experts 120 --execute guarded --fetch-threshold 0,0.05,0.1,0.2 --strategies none
   --decode-inputs text --gen 256 --plot guard.png
+
+  moespec profile --device cpu --host-memory 64MiB --strategies none,router --trace disk.json
+  (experts on disk: the RAM tier holds 64 MiB of rows; the trace's copy lane is the disk reader)
 
   moespec profile --compare before.json after.json
 """
@@ -90,6 +93,7 @@ def profile(
                                            "(the text's next tokens, for a held-out perplexity)."),
     cache_policy: Optional[str] = CachePolicyOpt,
     gpu_memory: Optional[str] = GpuMemory,
+    host_memory: Optional[str] = HostMemory,
     cache_experts: Optional[int] = CacheExperts,
     device: str = Device,
     dtype: str = Dtype,
@@ -152,7 +156,7 @@ def profile(
                              fetch_threshold, gpu_memory,
                              cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed,
                              trace is not None, threads, expert_dtype, group_size, cache_policy, guard_rule,
-                             decode_inputs, copy_share, dense_dtype)
+                             decode_inputs, copy_share, dense_dtype, host_memory)
     from moespec.profile.render import render_report
     from moespec.profile.report import write_json
 
@@ -185,7 +189,7 @@ def profile(
 def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, warmup, execute, fetch_threshold,
          gpu_memory, cache_experts, device, dtype, link_gbps, calibration, estimator, data, seed, timeline, threads,
          expert_dtype="auto", group_size=None, cache_policy=None, guard_rule="budget", decode_inputs="greedy",
-         copy_share=None, dense_dtype="auto"):
+         copy_share=None, dense_dtype="auto", host_memory=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
 
@@ -213,7 +217,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
         predictor=Predictor.ROUTER if predicting else Predictor.NONE, execute=mode,
         fetch_threshold=taus[0], link_gbps=link_gbps, calibration=calibration, estimator=estimator,
         expert_dtype=expert_dtype, group_size=group_size, cache_policy=cache_policy, host_threads=host_threads,
-        guard_rule=guard_rule, dense_dtype=dense_dtype)
+        guard_rule=guard_rule, dense_dtype=dense_dtype, host_memory=host_memory)
     set_threads(threads)
     import torch
 
@@ -261,7 +265,8 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
                    "repeats": repeats, "warmup": warmup, "execute": mode.value,
                    "fetch_threshold": taus[0] if len(taus) == 1 else list(taus), "guard_rule": cfg.guard_rule.value,
                    "decode_inputs": forced.value,
-                   "gpu_memory": gpu_memory, "cache_experts": cache_experts, "device": device, "dtype": dtype,
+                   "gpu_memory": gpu_memory, "host_memory": host_memory, "cache_experts": cache_experts,
+                   "device": device, "dtype": dtype,
                    "expert_dtype": expert_dtype, "dense_dtype": dense_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "copy_share": copy_share, "calibration": calibration,
                    "estimator": estimator, "data": data,

@@ -2,7 +2,8 @@
 
 One process per strategy; in each, a "compute" track (one span per decoder layer, with the MoE
 block's stalls and expert computes nested inside) and a "copy" track (one span per expert copy,
-demand or prefetch); with ``--on-miss host|auto`` a "host" track (one span per expert computed on
+demand or prefetch; with the experts on disk it is the "disk read" lane: one span per row read
+from the store file into the RAM tier); with ``--on-miss host|auto`` a "host" track (one span per expert computed on
 the host pool beside the device). Open the file in https://ui.perfetto.dev or chrome://tracing.
 Timestamps are microseconds from the start of the step.
 """
@@ -25,7 +26,7 @@ def trace_events(timelines: list[Timeline]) -> list[dict]:
         label = f"{tl.strategy} (prompt {tl.prompt_len}, decode step {tl.step}, {tl.wall_ms:.2f} ms)"
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        lanes = [(COMPUTE_TID, "compute"), (COPY_TID, "copy (H2D)")] + ([(HOST_TID, "host")] if tl.host else [])
+        lanes = [(COMPUTE_TID, "compute"), (COPY_TID, tl.copy_lane)] + ([(HOST_TID, "host")] if tl.host else [])
         for tid, name in lanes:
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
 

@@ -30,7 +30,7 @@ def _header(rep: dict) -> list[str]:
             f"{m['expert_bytes'] / 1e6:.3f} MB/expert ({m.get('expert_format', m['dtype'])}) · "
             f"cache {cache['slots']} slots, policy {rep['options'].get('cache_policy', 'lru')}",
             f"{rep['hardware']['device']} ({rep['hardware']['device_name']}) · "
-            f"link {link['measured_gbps']:.3g} GB/s{emu}",
+            f"{'disk' if link.get('over') == 'disk' else 'link'} {link['measured_gbps']:.3g} GB/s{emu}",
             f"execute {rep['options'].get('execute')} · {rep['options'].get('repeats')} repeats × "
             f"{rep['trace']['gen']} tokens"]
 

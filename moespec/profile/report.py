@@ -38,6 +38,16 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def _experts_on(om) -> str:
+    """Where the experts' rows live: "host" (RAM), "disk" (the store file read with O_DIRECT; on CPU the
+    cache is the RAM tier) or "page cache" (the mmap baseline: the store file mapped)."""
+    from moespec.runtime.host.disk_store import DiskStore
+
+    if isinstance(om.store, DiskStore):
+        return "disk"
+    return "page cache" if getattr(om.store, "mapping", None) is not None else "host"
+
+
 def describe(om, model_id: str) -> dict:
     """The "versions", "hardware", "model" and "cache" sections for ``om``."""
     import torch
@@ -61,7 +71,8 @@ def describe(om, model_id: str) -> dict:
                   "hidden": om.store.layout.hidden, "expert_intermediate": om.store.layout.intermediate,
                   "expert_bytes": om.store.expert_bytes, "dtype": str(om.dtype).replace("torch.", ""),
                   "expert_format": expert_format(om.store.layout, om.dtype)},
-        "cache": {"slots": om.cache.num_slots, "bytes": om.cache.num_slots * om.store.expert_bytes},
+        "cache": {"slots": om.cache.num_slots, "bytes": om.cache.num_slots * om.store.expert_bytes,
+                  "experts_on": _experts_on(om)},
     }
 
 
@@ -174,8 +185,12 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
             res["tpot_ratio_vs_fetch"] = _ratio(res["tpot_ms"]["mean"], fetch["tpot_ms"]["mean"])
     add_vs_exact(results)
     link = prof.link
-    method = ("emulated link: worker-thread copies throttled to --link-gbps" if link.emulated_gbps else
-              "pinned host-to-device copies" if link.pinned else "host-to-device copies")
+    if link.over == "disk":  # the experts on disk: the link is the store file's reader (transfer/disk.py)
+        method = (f"disk reads ({'O_DIRECT' if link.o_direct else 'buffered'}) of the store file into the RAM "
+                  f"tier, {link.copies} in flight")
+    else:
+        method = ("emulated link: worker-thread copies throttled to --link-gbps" if link.emulated_gbps else
+                  "pinned host-to-device copies" if link.pinned else "host-to-device copies")
     first = next(iter(prof.traces.values()), None)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -184,6 +199,7 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
         **description,
         "options": options,
         "link": {"measured_gbps": link.gbps, "emulated_gbps": link.emulated_gbps, "pinned": link.pinned,
+                 "over": link.over,
                  "method": f"{method}; {link.copies} copies of one expert ({link.bytes_per_copy} bytes)"},
         "trace": {"source": first.source if first else "", "gen": cfg.gen,
                   "prompts": [{"prompt_len": p, "token_sha256": t.sha256()} for p, t in prof.traces.items()]},

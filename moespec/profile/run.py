@@ -109,6 +109,7 @@ class Timeline:
         inner: (decoder layer, "stall" | "experts", start_ms, dur_ms) inside the MoE block.
         host: (decoder layer, start_ms, dur_ms) of each expert computed on the host (``--on-miss``).
         copies: (layer, expert, "demand" | "prefetch", start_ms, dur_ms, nbytes).
+        copy_lane: the copies' lane name: "copy (H2D)", or "disk read" with the experts on disk.
     """
 
     strategy: str
@@ -119,17 +120,21 @@ class Timeline:
     inner: list[tuple[int, str, float, float]] = field(default_factory=list)
     copies: list[tuple[int, int, str, float, float, int]] = field(default_factory=list)
     host: list[tuple[int, float, float]] = field(default_factory=list)
+    copy_lane: str = "copy (H2D)"
 
 
 @dataclass(frozen=True)
 class LinkMeasurement:
-    """Host-to-device bandwidth measured once per profile (expert-sized copies)."""
+    """The experts' link bandwidth measured once per profile (expert-sized copies): host to device, or,
+    with the experts on disk, disk to RAM (``over == "disk"``: O_DIRECT reads, ``copies`` in flight)."""
 
     gbps: float
     emulated_gbps: float | None
     pinned: bool
     copies: int
     bytes_per_copy: int
+    over: str = "host to device"
+    o_direct: bool = False
 
 
 @dataclass
@@ -164,23 +169,39 @@ class _SpanKeepingRecorder(StatsRecorder):
 
 
 def measure_link(om, copies: int = 8) -> LinkMeasurement:
-    """Copy ``copies`` experts into a scratch device buffer through the runtime's transfer engine."""
+    """Copy ``copies`` experts into scratch device buffers through the runtime's transfer engine.
+
+    With the experts on disk (runtime.transfer.disk.DiskReadEngine) the link is the disk: ``copies``
+    rows spread over the file are read with all of them in flight into the store's own aligned scratch
+    rows (O_DIRECT needs page-aligned buffers a stride long), the GB/s the disk floor divides by;
+    otherwise one expert after another into one scratch slot (the engines copy one at a time).
+    """
+    from moespec.runtime.host.disk_store import DiskStore
+
     eng = om.cache.engine
     eng.set_timing(True)  # busy_seconds needs timed copies (CUDA times copies only while asked to)
     store = om.store
-    scratch = torch.empty_like(om.cache.slots[0])  # [P]
+    disk = isinstance(store, DiskStore)
+    n = min(copies, store.num_experts)
     layer = store.moe_layers[0]
-    eng.submit(scratch, store.expert(layer, 0), 0)  # first copy pays one-time costs: untimed
+    if disk:
+        scratch = store.slot_rows(n, om.device)  # [n, P], page-aligned
+        where = [(store.moe_layers[i % len(store.moe_layers)], (7 * i + 3) % store.num_experts) for i in range(n)]
+        dst = [(scratch[i], -1 - i) for i in range(n)]  # slot ids no cache slot has
+    else:
+        scratch = torch.empty_like(om.cache.slots[0])  # [P]
+        where, dst = [(layer, e) for e in range(n)], [(scratch, 0)] * n
+    eng.submit(dst[0][0], store.expert(layer, 0), dst[0][1])  # first copy pays one-time costs: untimed
     eng.synchronize()
     busy0 = eng.busy_seconds()
-    n = min(copies, store.num_experts)
-    for e in range(n):
-        eng.submit(scratch, store.expert(layer, e), 0)
+    for (buf, slot), (lay, e) in zip(dst, where):
+        eng.submit(buf, store.expert(lay, e), slot)
     eng.synchronize()
     busy = eng.busy_seconds() - busy0
     gbps = n * store.expert_bytes / busy / 1e9 if busy > 0 else float("inf")
     return LinkMeasurement(gbps=gbps, emulated_gbps=getattr(eng, "link_gbps", None), pinned=store.pinned,
-                           copies=n, bytes_per_copy=store.expert_bytes)
+                           copies=n, bytes_per_copy=store.expert_bytes, over="disk" if disk else "host to device",
+                           o_direct=bool(getattr(eng, "direct", False)))
 
 
 def _vs_reference(ref_logits: torch.Tensor, logits: torch.Tensor, target: int) -> tuple[bool, float, float]:
@@ -242,6 +263,8 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
             top1=top1, kl=kl, bounds=bounds, nll=nll))
         if rec.keep:
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
+            if getattr(om.cache.engine, "direct", None) is not None:  # the disk reader (transfer/disk.py)
+                timeline.copy_lane = "disk read (O_DIRECT)" if om.cache.engine.direct else "disk read (buffered)"
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
     gate = getattr(om.runner.prefetcher, "gate", None)

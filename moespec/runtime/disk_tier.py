@@ -6,8 +6,9 @@ filled from the store file by the disk reader (transfer/disk.py), so the cache's
 router predictor's layer l+1 prefetch drive the disk reads unchanged.
 
 When: ``--host-memory SIZE`` is given, or the experts (+ the dense part on CPU) do not fit in the
-available RAM; then the RAM tier is by default what fits beside the dense part with a margin of
-HOST_HEADROOM_BYTES (512 MiB, hub.sizes) left free. Only on CPU for now (a CUDA device keeps the
+available RAM (at most what the process's memory cgroup allows: host/cgroup.py); then the RAM tier
+is by default what fits beside the dense part with a margin left free (host/memory.headroom_bytes:
+512 MiB, hub.sizes, or a tenth of a cgroup's limit when that is less). Only on CPU for now (a CUDA device keeps the
 host store; the pinned RAM tier between disk and device is not built yet).
 """
 
@@ -22,7 +23,7 @@ from moespec.config import OnMiss, Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CheckpointError, OptionError
 from moespec.models.base import ExpertLayout
 from moespec.runtime.host.disk_store import DiskStore, store_path
-from moespec.runtime.host.memory import HEADROOM_BYTES, available_bytes
+from moespec.runtime.host.memory import available_bytes, headroom_bytes
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.transfer.disk import DiskReadEngine
 
@@ -39,7 +40,7 @@ def wanted(cfg: RuntimeConfig, device: torch.device, host_bytes: int) -> bool:
             raise OptionError("--host-memory (experts on disk) runs on the CPU only so far",
                               "use --device cpu, or leave out --host-memory")
         return False
-    return cfg.host_memory_bytes is not None or host_bytes + HEADROOM_BYTES > available_bytes()
+    return cfg.host_memory_bytes is not None or host_bytes + headroom_bytes() > available_bytes()
 
 
 def ram_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, stride: int, dense_bytes: int) -> int:
@@ -58,7 +59,7 @@ def ram_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, stride: int, d
     if cfg.host_memory_bytes is not None:
         have, asked = cfg.host_memory_bytes, f"--host-memory {format_binary(cfg.host_memory_bytes)}"
     else:
-        have = available_bytes() - dense_bytes - HEADROOM_BYTES
+        have = available_bytes() - dense_bytes - headroom_bytes()
         asked = f"the available RAM ({format_binary(max(have, 0))} beside the dense part)"
     slots = max(have, 0) // stride
     if slots < need:

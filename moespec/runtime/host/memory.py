@@ -22,22 +22,41 @@ from moespec.hub.sizes import HOST_HEADROOM_BYTES as HEADROOM_BYTES  # one numbe
 
 
 def available_bytes() -> int:
-    """Host RAM that can be allocated without swapping, in bytes (Linux MemAvailable; else free pages).
+    """Host RAM that can be allocated without swapping, in bytes: Linux MemAvailable (else free pages),
+    at most what the process's memory cgroup still allows (host/cgroup.py: a container's limit).
 
     ``MOESPEC_HOST_RAM_BYTES`` overrides it, for hosts whose memory grows on use (a VM balloon shows a
     small MemAvailable at start).
     """
+    from moespec.runtime.host.cgroup import cgroup_free_bytes
+
     override = os.environ.get("MOESPEC_HOST_RAM_BYTES")
     if override:
         return int(override)
+    have = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if have is None:
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = cgroup_free_bytes()
+    return have if limit is None else min(have, limit)
+
+
+def headroom_bytes() -> int:
+    """RAM left free beside what moespec allocates: HEADROOM_BYTES (512 MiB, for the other processes of
+    the machine), or under a memory cgroup limit at most a tenth of that limit (host/cgroup.py: the
+    limit is the process's own, so the machine's other processes do not draw on it; a 1.4 GiB
+    container keeps 140 MiB, not a third of itself)."""
+    from moespec.runtime.host.cgroup import cgroup_memory
+
+    got = None if os.environ.get("MOESPEC_HOST_RAM_BYTES") else cgroup_memory()
+    return HEADROOM_BYTES if got is None else min(HEADROOM_BYTES, got[1] // 10)
 
 
 def check_host_memory(need_bytes: int, what: str) -> None:
@@ -47,7 +66,7 @@ def check_host_memory(need_bytes: int, what: str) -> None:
         BudgetError: one line naming both numbers.
     """
     have = available_bytes()
-    if need_bytes + HEADROOM_BYTES > have:
+    if need_bytes + headroom_bytes() > have:
         raise BudgetError(f"{what} needs {need_bytes / 2**30:.1f} GiB of host RAM; "
                           f"{have / 2**30:.1f} GiB is available",
                           "free host memory or use a machine with more RAM (`moespec models` lists the "
