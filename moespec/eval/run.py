@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from moespec.config import ExecuteMode, OnMiss, SamplingConfig
 from moespec.errors import DataError
-from moespec.eval.arms import Arm, cold_start, use_arm
+from moespec.eval.arms import Arm, cold_start, gated, use_arm
 from moespec.eval.data import ChoiceItem, GenerateItem, TaskData
 from moespec.eval.metrics import choice_metrics, generate_metrics
 from moespec.eval.results import ArmResults
@@ -162,6 +162,7 @@ class _ArmRun:
     predictor: object
     scorer: DecodeScorer
     results: ArmResults
+    gate: bool = True  # the loaded prediction-gate setting (arms.gated decides per arm)
 
 
 def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig, stop_ids: set[int],
@@ -190,7 +191,7 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
     keep = common_prefix(engine.cached_ids, prefix)  # what the item before left that this one reuses
     for i, run in enumerate(runs):
         t0 = time.perf_counter()
-        use_arm(om, run.arm, run.predictor)
+        use_arm(om, run.arm, run.predictor, run.gate)
         alone = i == 0 or residency_matters(run.arm, on_miss)  # the cache as if it ran alone
         if alone:
             cold_start(om)
@@ -230,11 +231,11 @@ def run_arms(opened, runs: list[_ArmRun], tasks: list[TaskData], cfg: EvalConfig
 
 
 def run_arm(opened, arm: Arm, predictor, tasks: list[TaskData], results: ArmResults, cfg: EvalConfig,
-            stop_ids: set[int], progress: Optional[ProgressFn] = None) -> None:
+            stop_ids: set[int], progress: Optional[ProgressFn] = None, gate: bool = True) -> None:
     """Score every item of ``tasks`` that ``results`` lacks, as ``arm`` alone (the arm-by-arm reference
     of ``run_arms``); saves ``results`` at the end (also when interrupted)."""
     om = opened.engine.om
-    use_arm(om, arm, predictor)
+    use_arm(om, arm, predictor, gate)
     scorer = scorer_for(opened.engine, arm.execute, cfg.exact_path)
     try:
         for task in tasks:
@@ -273,7 +274,8 @@ def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
     else:
         key.update(predictor=arm.predictor.value, fetch_threshold=arm.threshold, guard_rule=rcfg.guard_rule.value,
                    cache_slots=om.cache.num_slots, cache_policy=om.cache.policy.value,
-                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path, contexts="exact")
+                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path, contexts="exact",
+                   prediction_gate=gated(arm, rcfg.prediction_gate))
     return key
 
 
@@ -306,10 +308,10 @@ def evaluate(opened, rcfg, tasks: list[TaskData], arms: list[Arm], cfg: EvalConf
         made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(rcfg, predictor=p), opened.path)
     stops = stop_ids(opened.path, om.config, opened.tokenizer)
     if cfg.item_major:
-        runs = [_ArmRun(a, made[a.predictor], scorer_for(opened.engine, a.execute, cfg.exact_path), files[a.name])
-                for a in arms]
+        runs = [_ArmRun(a, made[a.predictor], scorer_for(opened.engine, a.execute, cfg.exact_path), files[a.name],
+                        rcfg.prediction_gate) for a in arms]
         run_arms(opened, runs, tasks, cfg, stops, progress)
     else:
         for a in arms:
-            run_arm(opened, a, made[a.predictor], tasks, files[a.name], cfg, stops, progress)
+            run_arm(opened, a, made[a.predictor], tasks, files[a.name], cfg, stops, progress, rcfg.prediction_gate)
     return files
