@@ -102,3 +102,22 @@ def test_workers_below_one_is_refused(tiny_models, task_dir):  # noqa: F811
 
     res = cli(tiny_models["qwen3_moe"], "--data", task_dir, "--tasks", "quiz", "--workers", 0)
     assert res.exit_code != 0 and "--workers 0 must be at least 1" in res.output
+
+
+def test_one_bar_per_task_counts_every_arm_and_the_time_line_gives_the_wall_time():
+    from moespec.cli.eval_cmd import _Bar
+    from moespec.eval.data import TaskData
+    from moespec.eval.results import ArmResults
+    from moespec.eval.table import time_line
+
+    task = TaskData("quiz", "choice", (), "x", "0")
+    with _Bar() as bar:
+        steps = [bar.start(arm, task, 5, done) for arm, done in ((EXACT, 2), (SPEC, 1), (GUARD, 0))]
+        for step in steps:
+            step()
+        (bar_id, names), = bar.bars.values()
+        t = bar.progress.tasks[bar_id]
+        assert (t.total, t.completed, len(names)) == (15, 6, 3) and t.description.startswith("quiz")
+    results = {a.name: ArmResults(None, {}, {"quiz": {"seconds": s, "items": {}}}) for a, s in ((EXACT, 61.0), (SPEC, 30.0))}
+    line = time_line([EXACT, SPEC], results, 65.5, 2)
+    assert line == "wall time 1m05s (2 workers); scoring time per arm (items summed): exact 1m01s, speculative router 0m30s"
