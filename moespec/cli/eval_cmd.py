@@ -67,6 +67,8 @@ def eval_(
                                    help="How exact scores choices: prefill (each choice in one forward, fast) or "
                                         "decode (one token per step, as the other arms); equal within 1e-4."),
     json_out: bool = Flag("--json", help="Print the summary and lm-eval-shaped results as one JSON object."),
+    workers: int = typer.Option(1, "--workers", help="Processes that share the items (each loads the model, "
+                                                     "each runs --threads threads); the records are the same."),
     gpu_memory: Optional[str] = GpuMemory,
     cache_experts: Optional[int] = CacheExperts,
     fetch_threshold: Optional[str] = FetchThreshold,
@@ -90,6 +92,9 @@ def eval_(
     from moespec.eval.data import load_task
     from moespec.eval.tasks import resolve_tasks
 
+    from moespec.eval.workers import check_workers
+
+    check_workers(workers)
     if max_gen_toks < 1:
         raise OptionError(f"--max-gen-toks {max_gen_toks} must be at least 1")
     if exact_path not in ("prefill", "decode"):
@@ -108,7 +113,7 @@ def eval_(
         on_miss=on_miss, host_threads=host_threads, guard_rule=guard_rule, dense_dtype=dense_dtype)
     check_predictor_files(model, cfg, preds)
     set_threads(threads)
-    _run(model, cfg, loaded, chosen, limits, max_gen_toks, out, fresh, json_out, exact_path)
+    _run(model, cfg, loaded, chosen, limits, max_gen_toks, out, fresh, json_out, exact_path, workers, threads)
 
 
 def parse_limits(text: Optional[str], tasks: list[str]):
@@ -173,11 +178,15 @@ def _default_out(path: Path) -> Path:
     return moespec_home() / "eval" / model_key(path).replace("/", "--").strip("-")
 
 
-def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out, exact_path) -> None:
+def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out, exact_path, workers=1,
+         threads=None) -> None:
     import json
+    import time
 
     from moespec.chat.open_model import open_model
+    from moespec.cli.common import default_threads
     from moespec.eval.run import EvalConfig, evaluate
+    from moespec.eval.workers import evaluate_split
 
     opened = open_model(model, cfg, err_console)
     try:
@@ -190,9 +199,15 @@ def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out, exa
                               "pass --cache-experts or --gpu-memory", style="yellow", highlight=False)
         ecfg = EvalConfig(out_dir=Path(out).expanduser() if out else _default_out(opened.path), limit=limit,
                           max_gen_toks=max_gen_toks, fresh=fresh, exact_path=exact_path)
+        t0 = time.perf_counter()
         try:
             with _Bar() as bar:
-                results = evaluate(opened, cfg, tasks, arms, ecfg, bar.start)
+                if workers > 1:
+                    results = evaluate_split(opened, model, cfg, tasks, arms, ecfg, workers,
+                                             threads or default_threads() or 1, bar.start)
+                else:
+                    results = evaluate(opened, cfg, tasks, arms, ecfg, bar.start)
+            wall_s = time.perf_counter() - t0
         except KeyboardInterrupt:
             err_console.print(f"interrupted; the items scored so far are saved in {ecfg.out_dir}: run the same "
                               "command again to resume", highlight=False, soft_wrap=True)
@@ -206,7 +221,7 @@ def _run(model, cfg, tasks, arms, limit, max_gen_toks, out, fresh, json_out, exa
     if json_out:
         typer.echo(json.dumps(report, indent=1))
     else:
-        _print_table(title, tasks, arms, results, cells, ecfg)
+        _print_table(title, tasks, arms, results, cells, ecfg, wall_s, workers)
 
 
 def _write_reports(opened, om, tasks, arms, results, ecfg) -> tuple[dict, dict]:
@@ -233,7 +248,7 @@ def _write_reports(opened, om, tasks, arms, results, ecfg) -> tuple[dict, dict]:
     return {"summary": summary, "results": per_arm}, cells
 
 
-def _print_table(title: str, tasks, arms, results, cells, ecfg) -> None:
+def _print_table(title: str, tasks, arms, results, cells, ecfg, wall_s: float, workers: int) -> None:
     from rich.console import Console
 
     from moespec.eval.run import limited
@@ -244,12 +259,17 @@ def _print_table(title: str, tasks, arms, results, cells, ecfg) -> None:
     for t in quality_tables(title, used, arms, cells, out.width):
         out.print(t)
     out.print(FOOTNOTE, style="dim", soft_wrap=False)
-    out.print(time_line(arms, results))
+    out.print(time_line(arms, results, wall_s, workers))
     out.print(f"[dim]results: {ecfg.out_dir}[/]")
 
 
 class _Bar:
-    """A progress bar with counts and an ETA for the task running now (stderr)."""
+    """One progress bar per task (stderr): items scored by every arm together, the task's wall time and an ETA.
+
+    Every arm scores an item before the next starts (eval/run.py), so one bar per task counts
+    arm-items (items x arms) and its elapsed time is the task's wall time, which the closing time
+    line also gives; a bar per arm would show every arm the whole task's time.
+    """
 
     def __enter__(self) -> "_Bar":
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -258,12 +278,18 @@ class _Bar:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
         self.progress.__enter__()
+        self.bars: dict[str, tuple[int, set]] = {}  # task name -> (bar id, arm names)
         return self
 
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
     def start(self, arm, task, total: int, done: int):
-        """A bar for ``task`` under ``arm``; returns the per-item step."""
-        bar = self.progress.add_task(f"{arm.label:<20.20} {task.name:<11.11}", total=total, completed=done)
+        """Add ``arm``'s ``total`` items (``done`` of them scored) to ``task``'s bar; returns the per-item step."""
+        if task.name not in self.bars:
+            self.bars[task.name] = (self.progress.add_task("", total=0, completed=0), set())
+        bar, names = self.bars[task.name]
+        names.add(arm.name)
+        self.progress.update(bar, total=(self.progress.tasks[bar].total or 0) + total, advance=done,
+                             description=f"{task.name:<11.11} x {len(names)} arm{'s' if len(names) > 1 else ''}")
         return lambda: self.progress.advance(bar)

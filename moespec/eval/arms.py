@@ -51,14 +51,28 @@ def cross(modes: list[ExecuteMode], predictors: list[Predictor]) -> list[tuple[E
     return [(m, p) for m in modes for p in (predictors[:1] if m == ExecuteMode.EXACT else predictors)]
 
 
-def use_arm(om, arm: Arm, predictor) -> None:
+def use_arm(om, arm: Arm, predictor, gate: bool = True) -> None:
     """Run ``om`` as ``arm`` from now on, with ``predictor`` (built for ``arm.predictor``): the
-    loaded policy with this arm's predictor, ``--execute`` mode and (guarded) τ swapped in."""
+    loaded policy with this arm's predictor, ``--execute`` mode and (guarded) τ swapped in, and the
+    prediction gate as ``gated(arm, gate)`` says (``gate``: the loaded setting, RuntimeConfig.prediction_gate)."""
     om.reset_step()
-    changes = {"predictor": predictor, "execute": arm.execute}
+    changes = {"predictor": predictor, "execute": arm.execute, "prediction_gate": gated(arm, gate)}
     if arm.threshold is not None:
         changes["fetch_threshold"] = arm.threshold
     om.use_policy(dataclasses.replace(om.policy, **changes))
+
+
+def gated(arm: Arm, loaded: bool) -> bool:
+    """Whether ``arm`` runs with the prediction gate (runtime/layer/gate.py) when the loaded policy says ``loaded``.
+
+    Guarded runs without it: the gate opens and closes a layer's prediction from measured wall times
+    (the predictor's ms, the copy worker's ms per copy), and in guarded mode what was predicted decides
+    what is resident, so which misses are skipped, so the scores; without the gate every layer predicts
+    on every decode step and a guarded score is the same on every run (tested). Exact and speculative keep
+    the loaded setting: their outputs do not depend on it (speculative has no gate; exact fetches every
+    miss), only their speed.
+    """
+    return False if arm.execute == ExecuteMode.GUARDED else loaded
 
 
 def cold_start(om) -> None:

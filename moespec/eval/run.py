@@ -9,14 +9,16 @@ those are exact in every mode, so reusing them changes nothing but float roundin
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from moespec.config import ExecuteMode, OnMiss, SamplingConfig
 from moespec.errors import DataError
-from moespec.eval.arms import Arm, cold_start, use_arm
+from moespec.eval.arms import Arm, cold_start, gated, use_arm
 from moespec.eval.data import ChoiceItem, GenerateItem, TaskData
+from moespec.eval.drafted import drafted_greedy
 from moespec.eval.metrics import choice_metrics, generate_metrics
 from moespec.eval.results import ArmResults
 from moespec.eval.score import DecodeScorer, PrefillScorer, decode_prefix, encode, encode_pair, leave_two
@@ -80,13 +82,23 @@ def generate_text(engine, tokenizer, context: str, stops: tuple[str, ...], max_g
 
     Afterwards the KV cache holds only the prompt (prefilled, exact in every mode).
     """
+    text, out = generate_ids(engine, tokenizer, context, stops, max_gen_toks, stop_ids)
+    return text, len(out)
+
+
+def generate_ids(engine, tokenizer, context: str, stops: tuple[str, ...], max_gen_toks: int, stop_ids: set[int],
+                 drafts: Sequence[Sequence[int]] | None = None) -> tuple[str, list[int]]:
+    """``generate_text``'s (text, generated token ids); with ``drafts`` (exact mode only) the tokens come
+    from ``drafted.drafted_greedy`` checking them, else from ``Engine.generate``: the same greedy text."""
     ids = encode(tokenizer, context)
     leave_two(engine, ids)  # the prompt's last positions from an exact prefill, not a decode step
     # A stop string that appears ends in the newest token and spans at most 4 bytes (tokens) per
     # character: decoding that tail each step finds it without decoding the whole text again.
     tail = 4 * max((len(s) for s in stops), default=0) + 2
     out: list[int] = []
-    for tok in engine.generate(ids, SamplingConfig(max_new_tokens=max_gen_toks), stop_ids):
+    tokens = (engine.generate(ids, SamplingConfig(max_new_tokens=max_gen_toks), stop_ids) if drafts is None
+              else drafted_greedy(engine, ids, max_gen_toks, stop_ids, drafts))
+    for tok in tokens:
         out.append(tok)
         if stops and any(s in tokenizer.decode(out[-tail:], skip_special_tokens=True) for s in stops):
             break
@@ -94,7 +106,7 @@ def generate_text(engine, tokenizer, context: str, stops: tuple[str, ...], max_g
     for s in stops:  # lm-eval cuts at each stop string in turn
         text = text.split(s)[0]
     engine.truncate(len(ids))
-    return text, len(out)
+    return text, out
 
 
 def choice_pairs(tokenizer, item: ChoiceItem, task: TaskData, limit: int) -> list[tuple[list[int], list[int]]]:
@@ -122,15 +134,22 @@ def choice_record(scorer: DecodeScorer, pairs, item: ChoiceItem) -> dict:
             **choice_metrics(lps, item.continuations, item.gold)}
 
 
-def generate_record(engine, tokenizer, item: GenerateItem, max_gen_toks: int, stop_ids: set[int]) -> dict:
+def generate_record(engine, tokenizer, item: GenerateItem, max_gen_toks: int, stop_ids: set[int],
+                    pool: list[list[int]] | None = None, drafted: bool = False) -> dict:
     """One generation item's record: the text, its token count and the exact matches.
+
+    ``pool``: the token ids the item's arms generated so far; this arm's are added. ``drafted`` (the
+    exact arm only): generate by checking the pool's texts in prefills (drafted.py), the same text.
 
     Raises:
         PromptError: a prompt beyond the model's context.
     """
     most = min(max_gen_toks, item.max_gen_toks or max_gen_toks)
-    text, n = generate_text(engine, tokenizer, item.context, item.stops, most, stop_ids)
-    return {"text": text, "tokens": n, "answer": item.answer, **generate_metrics(text, item.answer)}
+    text, out = generate_ids(engine, tokenizer, item.context, item.stops, most, stop_ids,
+                             list(pool or ()) if drafted else None)
+    if pool is not None:
+        pool.append(out)
+    return {"text": text, "tokens": len(out), "answer": item.answer, **generate_metrics(text, item.answer)}
 
 
 def score_item(scorer: DecodeScorer, tokenizer, item, task: TaskData, max_gen_toks: int, stop_ids: set[int]) -> dict:
@@ -162,6 +181,7 @@ class _ArmRun:
     predictor: object
     scorer: DecodeScorer
     results: ArmResults
+    gate: bool = True  # the loaded prediction-gate setting (arms.gated decides per arm)
 
 
 def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig, stop_ids: set[int],
@@ -176,7 +196,8 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
     goes last and prefills only the context's last two tokens (score.prefill_exact: its logits come
     from a prefill, as alone; equal within float rounding). A generation item's prompt is
     prefilled likewise once (the next arms re-run only its last two tokens, leave_two: its last
-    logits come from a prefill, as alone), and each arm generates from there.
+    logits come from a prefill, as alone), and each arm generates from there; the exact prefill-path
+    arm, last, checks the texts the arms before it generated in prefills (drafted.py: the same text).
     Each arm's record goes to its results; ``steps[arm name]`` advances its progress.
     """
     om, engine, tokenizer = opened.engine.om, opened.engine, opened.tokenizer
@@ -187,17 +208,19 @@ def run_item(opened, runs: list[_ArmRun], item, task: TaskData, cfg: EvalConfig,
         prefix = decode_prefix(pairs)
     else:
         pairs, prefix = None, encode(tokenizer, item.context)
+    pool: list[list[int]] = []  # the generated ids of the arms before (the exact prefill-path arm checks them)
     keep = common_prefix(engine.cached_ids, prefix)  # what the item before left that this one reuses
     for i, run in enumerate(runs):
         t0 = time.perf_counter()
-        use_arm(om, run.arm, run.predictor)
+        use_arm(om, run.arm, run.predictor, run.gate)
         alone = i == 0 or residency_matters(run.arm, on_miss)  # the cache as if it ran alone
         if alone:
             cold_start(om)
         if alone and i > 0:
             engine.truncate(keep)  # its own prefill, from the prefix an arm alone would find cached
         if pairs is None:
-            record = generate_record(engine, tokenizer, item, cfg.max_gen_toks, stop_ids)
+            record = generate_record(engine, tokenizer, item, cfg.max_gen_toks, stop_ids, pool,
+                                     drafted=isinstance(run.scorer, PrefillScorer))
         else:
             record = choice_record(run.scorer, pairs, item)
         run.results.add(task.name, item.doc_id, record, time.perf_counter() - t0)
@@ -230,11 +253,11 @@ def run_arms(opened, runs: list[_ArmRun], tasks: list[TaskData], cfg: EvalConfig
 
 
 def run_arm(opened, arm: Arm, predictor, tasks: list[TaskData], results: ArmResults, cfg: EvalConfig,
-            stop_ids: set[int], progress: Optional[ProgressFn] = None) -> None:
+            stop_ids: set[int], progress: Optional[ProgressFn] = None, gate: bool = True) -> None:
     """Score every item of ``tasks`` that ``results`` lacks, as ``arm`` alone (the arm-by-arm reference
     of ``run_arms``); saves ``results`` at the end (also when interrupted)."""
     om = opened.engine.om
-    use_arm(om, arm, predictor)
+    use_arm(om, arm, predictor, gate)
     scorer = scorer_for(opened.engine, arm.execute, cfg.exact_path)
     try:
         for task in tasks:
@@ -273,7 +296,8 @@ def arm_key(arm: Arm, opened, rcfg, cfg: EvalConfig) -> dict:
     else:
         key.update(predictor=arm.predictor.value, fetch_threshold=arm.threshold, guard_rule=rcfg.guard_rule.value,
                    cache_slots=om.cache.num_slots, cache_policy=om.cache.policy.value,
-                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path, contexts="exact")
+                   calibration=rcfg.calibration_path, estimator=rcfg.estimator_path, contexts="exact",
+                   prediction_gate=gated(arm, rcfg.prediction_gate))
     return key
 
 
@@ -306,10 +330,10 @@ def evaluate(opened, rcfg, tasks: list[TaskData], arms: list[Arm], cfg: EvalConf
         made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(rcfg, predictor=p), opened.path)
     stops = stop_ids(opened.path, om.config, opened.tokenizer)
     if cfg.item_major:
-        runs = [_ArmRun(a, made[a.predictor], scorer_for(opened.engine, a.execute, cfg.exact_path), files[a.name])
-                for a in arms]
+        runs = [_ArmRun(a, made[a.predictor], scorer_for(opened.engine, a.execute, cfg.exact_path), files[a.name],
+                        rcfg.prediction_gate) for a in arms]
         run_arms(opened, runs, tasks, cfg, stops, progress)
     else:
         for a in arms:
-            run_arm(opened, a, made[a.predictor], tasks, files[a.name], cfg, stops, progress)
+            run_arm(opened, a, made[a.predictor], tasks, files[a.name], cfg, stops, progress, rcfg.prediction_gate)
     return files

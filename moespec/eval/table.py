@@ -46,10 +46,14 @@ def quality_tables(title: str, tasks: list[TaskData], arms: list[Arm], cells: di
     return fit_tables(title, key, cols, width)
 
 
-def time_line(arms: list[Arm], results: dict) -> str:
-    """One line: each arm's scoring wall time (model load excluded)."""
-    parts = []
-    for a in arms:
-        s = sum(t.get("seconds", 0.0) for t in results[a.name].tasks.values())
-        parts.append(f"{a.label} {int(s // 60)}m{int(s % 60):02d}s")
-    return "wall time: " + ", ".join(parts)
+def _min_s(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def time_line(arms: list[Arm], results: dict, wall_s: float | None = None, workers: int = 1) -> str:
+    """One line: this run's scoring wall time (the progress bars' elapsed time; model load excluded) and
+    each arm's share of the scoring time over every run of its file (its items' seconds summed; with
+    --workers they ran side by side, so the shares add up to more than the wall time)."""
+    parts = [f"{a.label} {_min_s(sum(t.get('seconds', 0.0) for t in results[a.name].tasks.values()))}" for a in arms]
+    head = "" if wall_s is None else f"wall time {_min_s(wall_s)}" + (f" ({workers} workers)" if workers > 1 else "") + "; "
+    return head + "scoring time per arm (items summed): " + ", ".join(parts)
