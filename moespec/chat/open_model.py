@@ -53,34 +53,21 @@ def open_model(model: Optional[str], cfg: RuntimeConfig, console=None) -> Opened
         ModelNotFoundError, CheckpointError, UnsupportedModelError, BudgetError, DeviceError,
         OptionError: from resolving and loading the checkpoint.
     """
-    from moespec.hub.resolve import resolve_model
+    from moespec.default_model.checked import load_checked, resolve
+    from moespec.default_model.verify import check_for
     from moespec.model_check import load_tokenizer
     from moespec.runtime.engine import Engine
-    from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder
 
-    if model is None:
-        try:
-            from moespec.default_model import ensure_default_model
-        except ImportError:
-            from moespec.errors import ModelNotFoundError
-
-            raise ModelNotFoundError("this build has no embedded default model",
-                                     "pass MODEL: a local folder or a Hub id (`moespec download MODEL`)") from None
-        path = ensure_default_model(console)
-        from moespec.default_model.verify import start_check
-
-        check = start_check(path)  # hashes the weights on a second thread while they load
-    else:
-        path = resolve_model(model)
-    tokenizer = load_tokenizer(path, cfg.dtype)  # a broken config or tokenizer: said before the weights load
-    om = load_offloaded(path, cfg, StatsRecorder())  # wires the recorder's synchronize to the engine
-    if model is None:
-        try:
-            check.result()  # before the first token: a mismatch removes the marker, one line
-        except BaseException:
-            om.close()
-            raise
-        if check.note and console is not None:
-            console.print(f"[dim]{check.note}[/]")
+    path = resolve(model, console)  # None or the default model named: built (again) when needed
+    check = check_for(path)  # a default-model build: its weights are hashed on a second thread from now
+    try:
+        tokenizer = load_tokenizer(path, cfg.dtype)  # a broken config or tokenizer: said before the weights load
+    except BaseException:
+        if check is not None:
+            check.join()
+        raise
+    om, note = load_checked(path, cfg, StatsRecorder(), check)  # joined before the first token: one line
+    if note and console is not None:
+        console.print(f"[dim]{note}[/]")
     return OpenedModel(Engine(om), tokenizer, Path(path))

@@ -67,7 +67,7 @@ def calibrate(
     from moespec.cli.runtime_opts import build_runtime_config
     from moespec.config import ExecuteMode, Predictor
     from moespec.model_check import load_tokenizer
-    from moespec.runtime.load import load_offloaded
+    from moespec.default_model.checked import load_checked
 
     set_threads(threads)
     asked = tokens is not None or heldout_tokens is not None  # a note on fewer tokens only when some were asked for
@@ -86,7 +86,9 @@ def calibrate(
     plan = plan_chunks(tokenizer, source, cfg.tokens, cfg.heldout_tokens, cfg.seq_len)
     for note in plan.notes if asked else ():
         err_console.print(f"[yellow]note:[/] {note}", highlight=False)
-    om = load_offloaded(path, rcfg)
+    om, note = load_checked(path, rcfg)  # the default model's weights: checked by their bytes
+    if note:
+        err_console.print(f"[dim]{note}[/]", highlight=False)
     try:
         _check_context(om, cfg.seq_len)
         _check_room(om, target)
@@ -115,17 +117,10 @@ def _policies(text: str):
 
 
 def _resolve(model: Optional[str]):
-    from moespec.hub.resolve import resolve_model
+    """MODEL's folder (None or the default model named: built on first use, or again after a failed check)."""
+    from moespec.default_model.checked import resolve
 
-    if model is not None:
-        return resolve_model(model)
-    try:
-        from moespec.default_model import ensure_default_model
-    except ImportError:
-        from moespec.errors import OptionError
-
-        raise OptionError("the embedded default model is not part of this build", "pass MODEL (a folder or Hub id)") from None
-    return ensure_default_model(err_console)
+    return resolve(model, err_console)
 
 
 def _check_room(om, target) -> None:

@@ -117,9 +117,11 @@ def _train(path, rcfg, cfg, calibration, plan, folder, reuse_states: bool, sourc
 
     from moespec.estimator.run import find_model_calibration, fit, input_kind, prepare_states
     from moespec.predict.estimator_file import save_estimator
-    from moespec.runtime.load import load_offloaded
+    from moespec.default_model.checked import load_checked
 
-    om = load_offloaded(path, rcfg)
+    om, note = load_checked(path, rcfg)  # the default model's weights: checked by their bytes
+    if note:
+        err_console.print(f"[dim]{note}[/]", highlight=False)
     try:
         if cfg.seq_len > om.max_context():
             from moespec.errors import OptionError
@@ -170,17 +172,10 @@ def _check_numbers(cfg) -> None:
 
 
 def _resolve(model: Optional[str]):
-    from moespec.hub.resolve import resolve_model
+    """MODEL's folder (None or the default model named: built on first use, or again after a failed check)."""
+    from moespec.default_model.checked import resolve
 
-    if model is not None:
-        return resolve_model(model)
-    try:
-        from moespec.default_model import ensure_default_model
-    except ImportError:
-        from moespec.errors import OptionError
-
-        raise OptionError("the embedded default model is not part of this build", "pass MODEL (a folder or Hub id)") from None
-    return ensure_default_model(err_console)
+    return resolve(model, err_console)
 
 
 def _default_states_dir(path):

@@ -225,11 +225,13 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
     from moespec.profile.run import ProfileConfig, run_profile
     from moespec.profile.trace import check_lengths
     from moespec.predict.factory import make_predictor
-    from moespec.runtime.load import load_offloaded
+    from moespec.default_model.checked import load_checked
 
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
-    om = load_offloaded(path, cfg)
+    om, note = load_checked(path, cfg)  # the default model's weights: checked by their bytes
+    if note:
+        err_console.print(f"[dim]{note}[/]", highlight=False)
     try:
         check_lengths(list(prompt_lens), gen, om.max_context())
         refs = om.layer_refs()
@@ -294,17 +296,10 @@ def _policy_hit_rates(om, path, calibration, prof) -> dict:
 
 
 def _resolve(model: Optional[str]) -> tuple[Path, str]:
-    from moespec.errors import ModelNotFoundError
-    from moespec.hub.resolve import resolve_model
+    """MODEL's folder (None: the default model, built on first use) and how the report names it."""
+    from moespec.default_model.checked import resolve
 
-    if model is not None:
-        return resolve_model(model), model
-    try:
-        from moespec.default_model import ensure_default_model
-    except ImportError:
-        raise ModelNotFoundError("no MODEL given and this build has no embedded default model",
-                                 "pass a model folder or Hub id") from None
-    return ensure_default_model(err_console), "moespec default model"
+    return resolve(model, err_console), ("moespec default model" if model is None else model)
 
 
 def _tokenizer(path: Path):

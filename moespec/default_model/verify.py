@@ -11,6 +11,11 @@ the load is not held up: the same overlap as integrity.start_read_hashed for the
   int4 store is rebuilt) and CheckpointError says so in one line;
 - the marker has no ``file_xxh3`` (a build made before it existed): it is NOT rebuilt; the digest
   just computed is written into the marker ("trust on first use") and checked from then on.
+
+A copy of the build elsewhere (a folder passed as MODEL that holds a build marker) is checked the
+same way, but its marker is kept: moespec cannot build it again there, so every start refuses it.
+Every command that loads a model goes through :mod:`moespec.default_model.checked`, which starts
+this check for any folder with a marker (chat, serve, eval, calibrate, train-estimator, profile).
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from moespec.default_model.build import DIGEST_FIELD, WEIGHTS_FILE, record_digest  # noqa: F401 (re-exported)
+from moespec.default_model.build import (  # noqa: F401 (re-exported)
+    DIGEST_FIELD,
+    WEIGHTS_FILE,
+    default_model_dir,
+    record_digest,
+)
 from moespec.errors import CheckpointError
 
 
@@ -45,6 +55,10 @@ class ModelCheck:
         except OSError as exc:
             self._error = exc
 
+    def join(self) -> None:
+        """Wait for the hash without acting on it (the load failed: nothing is compared)."""
+        self._thread.join()
+
     def result(self) -> None:
         """Wait for the hash and act on it (see module doc).
 
@@ -69,8 +83,11 @@ class ModelCheck:
             except OSError as exc:  # a read-only cache still runs; checked once it is writable
                 self.note = f"could not record the checksum of {path}: {exc.strerror}"
             return
-        (self.folder / build.MARKER_FILE).unlink(missing_ok=True)
         what = f"cannot be read ({self._error.strerror})" if self._error else "does not match its checksum"
+        if not is_default_folder(self.folder):  # a copy: nothing here can build it again
+            raise CheckpointError(f"default model weights {path} {what}",
+                                  "copy the folder again from a good build, or run without MODEL to use the built one")
+        (self.folder / build.MARKER_FILE).unlink(missing_ok=True)
         raise CheckpointError(f"default model weights {path} {what}",
                               "run the command again: the default model is built again")
 
@@ -78,3 +95,22 @@ class ModelCheck:
 def start_check(folder: Path) -> ModelCheck:
     """Start checking ``folder``'s weights on a second thread; call ``.result()`` before the first token."""
     return ModelCheck(folder)
+
+
+def is_default_folder(folder: Path) -> bool:
+    """True when ``folder`` is the default model's own place (build.default_model_dir()), however named."""
+    try:
+        return Path(folder).resolve() == default_model_dir().resolve()
+    except OSError:
+        return False
+
+
+def check_for(folder: Path) -> ModelCheck | None:
+    """A started check of ``folder``'s weights when it holds a default-model build (a build marker that
+    records ``file_xxh3``, or a marker from before the field); None for any other model folder."""
+    from moespec.default_model import build
+
+    folder = Path(folder)
+    if not (folder / WEIGHTS_FILE).is_file() or build.build_marker(folder) is None:
+        return None
+    return start_check(folder)
