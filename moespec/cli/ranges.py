@@ -144,6 +144,7 @@ OPTIONS: dict[str, Range] = {
     "--seed": Range(int, 0, 2**63 - 1),
     "--threads": Range(int, 1, usable_cores, why=CORES),
     "--host-threads": Range(int, 1, usable_cores, why=CORES),
+    "--workers": Range(int, 1, 64, why="processes; each loads the model"),
     "--link-gbps": Range(float, 0, 10_000, low_open=True, why="GB/s"),
     "--copy-share": Range(float, 0, 1, low_open=True, high_open=True, why="a share of on-demand TPOT"),
     "--fetch-threshold": Range(float, 0, 100, why="renormalised gate weight, above 1 never fetches; a comma "
