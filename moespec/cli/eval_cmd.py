@@ -92,9 +92,6 @@ def eval_(
     from moespec.eval.data import load_task
     from moespec.eval.tasks import resolve_tasks
 
-    from moespec.eval.workers import check_workers
-
-    check_workers(workers)
     if max_gen_toks < 1:
         raise OptionError(f"--max-gen-toks {max_gen_toks} must be at least 1")
     if exact_path not in ("prefill", "decode"):

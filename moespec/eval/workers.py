@@ -200,14 +200,3 @@ def evaluate_split(opened, model: str | None, rcfg, tasks: list[TaskData], arms:
         raise MoespecError(f"--workers: a worker failed ({why})", "run with --workers 1 to see its error in full")
     return files
 
-
-def check_workers(workers: int) -> None:
-    """Refuse a ``--workers`` below 1.
-
-    Raises:
-        OptionError: ``workers`` < 1.
-    """
-    from moespec.errors import OptionError
-
-    if workers < 1:
-        raise OptionError(f"--workers {workers} must be at least 1", "e.g. --workers 2 on a 2-core machine")
