@@ -42,7 +42,7 @@ def test_lru_evicts_least_recently_used_unpinned():
 
 def test_pinned_slots_are_never_evicted():
     cache, engine = _cache(2)
-    a = cache.acquire((0, 0))
+    assert cache.acquire((0, 0)) is not None
     b = cache.acquire((0, 1))
     assert cache.acquire((0, 2)) is None  # both pinned: no room
     assert cache.prefetch((0, 3)) is None

@@ -194,8 +194,8 @@ def test_the_start_line_names_a_dense_dtype(tiny_models):
     # A user must see that --dense-dtype took effect (the expert dtype in the line is the experts').
     from moespec.chat.open_model import open_model
 
-    for dense, shown in (("auto", False), ("int8", True)):
-        cfg = RuntimeConfig(cache_experts=4, dense_dtype=dense)
+    for dense_dtype, shown in (("auto", False), ("int8", True)):
+        cfg = RuntimeConfig(cache_experts=4, dense_dtype=dense_dtype)
         opened = open_model(str(tiny_models["qwen3_moe"]), cfg)
         try:
             assert ("dense linears int8" in opened.describe(cfg)) is shown

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ def _got(child, text: str) -> None:
     """The reader got exactly ``text``; waits for the next prompt (keys sent between two prompts meet
     the tty in canonical mode, where Ctrl-D and Ctrl-C are not keys)."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    child.expect(rf"GOT (\d+) ([0-9a-f]+)")
+    child.expect(r"GOT (\d+) ([0-9a-f]+)")
     assert (int(child.match.group(1)), child.match.group(2)) == (len(text), digest)
     child.expect(PROMPT)
 

@@ -119,7 +119,7 @@ class QuantLayout(ExpertLayout):
 
     def weights_reference(self, row: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Slow reference of :meth:`weights`: each projection on its own through :func:`dequantize_reference`."""
-        v, h, i, spec = self.views(row), self.hidden, self.intermediate, self.spec
+        v, spec = self.views(row), self.spec
         out = {}
         for name, (rows, cols) in self._shapes().items():
             n = 2 if name == "gate_up" else 1  # gate and up were quantised (and packed) separately
