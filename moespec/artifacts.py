@@ -46,16 +46,37 @@ def model_key(model_path: str | Path) -> str:
     return str(path)
 
 
+def gguf_marker_digest(marker: dict) -> str:
+    """XXH3-128 hex of a GGUF folder's marker (``moespec-gguf.json``) without its ``digest`` field:
+    its canonical JSON (sorted keys), as moespec.gguf.sidecar seals the marker it writes."""
+    import json
+
+    from moespec.integrity import new_hasher
+
+    h = new_hasher()
+    h.update(json.dumps({k: v for k, v in marker.items() if k != "digest"}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def _gguf_key(folder: Path) -> str | None:
-    """The key recorded in a folder moespec prepared for a GGUF (moespec.gguf.sidecar), or None."""
+    """The key recorded in a folder moespec prepared for a GGUF (moespec.gguf.sidecar), or None.
+
+    None too when the marker does not match its own ``digest`` (damaged: its key is not trusted;
+    the next use of the GGUF prepares the folder again, moespec.gguf.sidecar.read_marker). A marker
+    without a digest (format 1, before markers were sealed) is read as before. Only the marker is
+    hashed here (a few kB), not the folder's other files: sidecar.read_marker checks those before use.
+    """
     import json
 
     marker = folder / GGUF_SOURCE_FILE
     if not marker.is_file():
         return None
     try:
-        return str(json.loads(marker.read_text(encoding="utf-8"))["key"])
-    except (OSError, ValueError, KeyError):
+        data = json.loads(marker.read_text(encoding="utf-8"))
+        if "digest" in data and data["digest"] != gguf_marker_digest(data):
+            return None
+        return str(data["key"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -4,8 +4,8 @@ Every safetensors file moespec writes for itself (calibration, estimators, the q
 store, estimator states, default-model build checkpoints) carries in its header a checksum of its
 tensor DATA, not only of the header: xxHash's XXH3-128 over each tensor's name, dtype, shape and
 bytes in name order (fast and non-cryptographic: a damaged file, not a forged one). A large file
-(the quantised expert store) is read with :func:`start_read_hashed`: the read runs alone, then
-a second thread hashes and checks what was read while the caller loads something else (the dense
+(the quantised expert store) is read with :func:`read_into`, then :class:`BackgroundCheck` hashes
+and checks the whole buffer on a second thread while the caller loads something else (the dense
 weights), so the load waits for little more than the read itself (scripts/integrity_cost.py;
 README, "Files and faults"). A file without a checksum (written before it existed) is read as before.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import struct
 import threading
 from pathlib import Path
@@ -214,150 +213,72 @@ def file_digest(path: Path, chunk_bytes: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-# Bytes read per chunk by read_hashed: small enough to be hashed from the CPU's cache (L2 is 0.5-2 MB
-# a core; the shared L3 holds several chunks), large enough that the hand-over to the hashing
-# thread (a queue put and get, ~10 us) is noise.
-CHUNK_BYTES = 1 << 20
+def read_into(fh, offset: int, dest) -> bool:
+    """Read ``len(dest)`` bytes of the open file ``fh`` from byte ``offset`` straight into ``dest``.
 
-
-def read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
-                check: Callable[[int, int], bool] | None = None) -> bool:
-    """Read ``len(dest)`` bytes of the open file ``fh`` from byte ``offset`` into ``dest``, hashing them.
-
-    The bytes go straight from the file into ``dest`` (``readinto``: one copy, no mapping); each
-    chunk is fed to ``hasher`` in order, then to ``check(start, stop)`` (byte offsets into ``dest``;
-    e.g. "are these rows' scales finite"), inline after each chunk's read, while it is still in the
-    CPU's cache (one core; :func:`start_read_hashed` runs them on a second thread instead).
+    ``readinto`` (one copy, no mapping), looping on short reads; the kernel is told the read is
+    sequential (read-ahead for a cold read from disk).
 
     Args:
         fh: a binary file opened unbuffered (``open(path, "rb", buffering=0)``).
-        dest: a writable contiguous uint8 numpy array (e.g. a store's buffer viewed flat).
-        hasher: a streaming hasher (:func:`new_hasher`), or None to only read (the reference copy).
-        chunk_bytes: bytes per chunk; pass a multiple of a row when ``check`` looks at whole rows.
+        dest: a writable contiguous buffer (e.g. a store's buffer viewed flat as uint8 numpy).
 
     Returns:
-        False when the file ended early or ``check`` refused a chunk (``dest`` then holds a partial
-        read: do not use it); True otherwise. The caller compares ``hasher``'s digest.
+        False when the file ended first (``dest`` then holds a partial read: do not use it).
 
     Raises:
-        OSError: reading failed. An error raised by ``hasher`` or ``check`` is raised here too.
+        OSError: reading failed.
     """
-    view = _begin(fh, offset, dest)
-    for start in range(0, len(view), chunk_bytes):
-        stop = min(len(view), start + chunk_bytes)
-        if not _read_exactly(fh, view[start:stop]):
-            return False
-        if hasher is not None:
-            hasher.update(view[start:stop])
-        if check is not None and not check(start, stop):
-            return False
-    return True
-
-
-def start_read_hashed(fh, offset: int, dest, hasher, chunk_bytes: int = CHUNK_BYTES,
-                      check: Callable[[int, int], bool] | None = None, interleave: bool = False) -> HashedRead:
-    """:func:`read_hashed` with the hashing and ``check`` on a second thread (xxhash and numpy
-    release the GIL), returning once the last chunk is READ: the thread may still be hashing. Call
-    :meth:`HashedRead.wait` before ``dest`` or ``hasher`` is used (and before ``dest``'s memory is
-    freed), e.g. after loading something else meanwhile.
-
-    By default the thread starts on the chunks only once all are read: the read then runs alone and
-    as fast as without checks, and the hashing (from memory, ~20 GB/s) overlaps what the caller does
-    next. ``interleave=True`` hands each chunk over as soon as it is read, to be hashed from the
-    CPU's cache while the next is read; on this project's 2-core VM the two threads slow each
-    other down: the default model's int4 store, page cache, exclusive lock, 31 rounds: 1.12x the
-    unchecked read handed over chunk by chunk, 1.10-1.12x handed over at the end (two holds); from
-    disk 1.17x and 1.12x (scripts/integrity_cost.py).
-
-    Raises:
-        OSError: reading failed (the hashing thread is stopped first).
-    """
-    view = _begin(fh, offset, dest)
-    if not interleave:  # read alone, then one hand-over (the thread starts with all its work)
-        read = []
-        for start in range(0, len(view), chunk_bytes):
-            stop = min(len(view), start + chunk_bytes)
-            if not _read_exactly(fh, view[start:stop]):
-                return HashedRead(view, hasher, check, chunks=[], complete=False)
-            read.append((start, stop))
-        return HashedRead(view, hasher, check, chunks=read)
-    work = HashedRead(view, hasher, check)
-    try:
-        for start in range(0, len(view), chunk_bytes):
-            stop = min(len(view), start + chunk_bytes)
-            if not _read_exactly(fh, view[start:stop]):
-                work.complete = False
-                break
-            work.todo.put((start, stop))
-    except BaseException:
-        work.complete = False
-        work.wait()
-        raise
-    work.todo.put(None)
-    return work
-
-
-def _begin(fh, offset: int, dest) -> memoryview:
-    """``dest`` as bytes, with ``fh`` at ``offset`` and the kernel told the read is sequential."""
     view = memoryview(dest).cast("B")
-    try:  # for a cold read from disk: read ahead aggressively
+    try:
         os.posix_fadvise(fh.fileno(), offset, len(view), os.POSIX_FADV_SEQUENTIAL)
     except (AttributeError, OSError):
         pass
     fh.seek(offset)
-    return view
-
-
-def _read_exactly(fh, into: memoryview) -> bool:
-    """Fill ``into`` from ``fh``; False when the file ends first."""
     done = 0
-    while done < len(into):
-        n = fh.readinto(into[done:])
+    while done < len(view):
+        n = fh.readinto(view[done:])
         if not n:
             return False
         done += n
     return True
 
 
-class HashedRead:
-    """A thread that hashes and checks, in order, the chunks :func:`start_read_hashed` has read.
+def check_bytes(data, hasher, check: Callable[[], bool] | None = None) -> bool:
+    """Feed all of ``data`` (bytes-like) to ``hasher`` in one call, then run ``check()`` (e.g. "are
+    the scales finite"): False when ``check`` refuses. The caller compares ``hasher``'s digest.
+    ``hasher`` may be None (only ``check``). :class:`BackgroundCheck` runs this on a second thread."""
+    if hasher is not None:
+        hasher.update(data)
+    return check is None or bool(check())
 
-    ``chunks``: (start, stop) of every chunk, all read already (the thread starts with all its work,
-    so the reader never waits for it); None: the reader puts each on ``todo`` as it reads it, then
-    None. ``complete``: False when the read ended early. ``wait()`` joins the thread (idempotent):
-    True when every chunk was read and accepted; it raises what the hasher or the check raised.
+
+class BackgroundCheck:
+    """:func:`check_bytes` on a second thread, started at once: the whole buffer in one hand-over.
+
+    python-xxhash (>= 3) hashes without the GIL for large inputs and numpy's reductions release it
+    too, so one call over the whole buffer overlaps whatever the caller does next (the dense weights'
+    load), at the hash's full speed from memory (~19 GB/s here). Handing it over chunk by chunk
+    while reading was slower on this 2-core VM (scripts/integrity_cost.py; README, "Files and
+    faults"). Call :meth:`wait` before ``data`` or ``hasher`` is used, and before ``data``'s memory
+    is freed.
     """
 
-    def __init__(self, view: memoryview, hasher, check, chunks: list[tuple[int, int]] | None = None,
-                 complete: bool = True) -> None:
-        self.view, self.hasher, self.check = view, hasher, check
-        self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.complete, self.accepted, self.error = complete, True, None
-        if chunks is not None:
-            for item in chunks:
-                self.todo.put(item)
-            self.todo.put(None)
-        self.thread = threading.Thread(target=self._run, name="moespec-hash", daemon=True)
-        self.thread.start()
+    def __init__(self, data, hasher, check: Callable[[], bool] | None = None) -> None:
+        self._args = (data, hasher, check)
+        self._accepted, self._error = False, None
+        self._thread = threading.Thread(target=self._run, name="moespec-hash", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
-        while (item := self.todo.get()) is not None:
-            if self.error is not None or not self.accepted:
-                continue  # drain: the result is decided
-            start, stop = item
-            try:
-                if self.hasher is not None:
-                    self.hasher.update(self.view[start:stop])
-                if self.check is not None and not self.check(start, stop):
-                    self.accepted = False
-            except BaseException as exc:  # re-raised in the waiting thread
-                self.error = exc
+        try:
+            self._accepted = check_bytes(*self._args)
+        except BaseException as exc:  # re-raised in the waiting thread
+            self._error = exc
 
     def wait(self) -> bool:
-        """Join the thread; True when all was read and accepted. Raises what the thread raised."""
-        if self.thread.is_alive():
-            self.todo.put(None)  # a second sentinel after the reader's is never read: harmless
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.complete and self.accepted
+        """Join the thread (idempotent): True when ``check`` accepted. Raises what the thread raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._accepted

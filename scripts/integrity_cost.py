@@ -1,77 +1,88 @@
-"""What checking the quantised store's data costs: QuantStoreCache.load_into with its checks against
-the same read without them, and against the loop it replaced (before and after, in one run).
+"""What checking the quantised store's data costs: QuantStoreCache's checked read against the same
+read without the checks, and the whole model load with and without them (in one run).
 
-Variants, on the default model's cached int4 store (build it first with `moespec chat --expert-dtype
-int4 --prompt hi`):
-  load_into      the checked load: readinto chunks, then XXH3-128 + finite scales on a second thread
-  start          what of it is on the model load's path: start_load until the last chunk is read
-                 (load_offloaded joins the check after the dense weights; its wait is not timed)
-  interleaved    start_load(interleave=True), the previous way: each chunk handed to the second
-                 thread as soon as it is read, hashed while the next is read (its wait not timed)
-  inline         the same checks inline after each chunk's read (one thread)
-  unchecked      the same readinto loop, no checks (what loading costs without them)
-  old_load_into  the earlier checked load: safetensors slices through a mapping, hashed after each block
-  old_unchecked  that loop without the hash (what loading cost before the checks existed)
-Each round runs every variant once, in an order that rotates from round to round, so no variant
-always runs first; ratios are medians of the per-round ratios. ``--cold`` evicts the file from the
-page cache before every run (posix_fadvise DONTNEED of that one file): the read from disk. Also
-times the whole model load (load_offloaded with the int4 store from the cache), with the checks
-with the interleaved checks, and with start_load swapped for the unchecked read, interleaved. Prints the medians
-and ratios, and one JSON line. Run it under the exclusive CPU lock for numbers worth quoting.
+Run on the default model (built first by any command, e.g. `moespec chat --prompt hi`). A warm-up
+load of the model with int4 experts builds (or verifies) its cached int4 store; the script then
+writes a FRESH copy of that store with the current writer into a temp folder and times reads of
+that copy (so a stale or older-format cache cannot skew the numbers):
+  start      what of the checked read is on the model load's path: start_load until it returns
+             (the rows read; the hash + scales check then run on a second thread, joined untimed)
+  load_into  the whole checked read: start_load, then wait() for the check
+  inline     the same checks inline after the read (one thread)
+  unchecked  the same read (integrity.read_into), no checks: what loading costs without them
+Every variant runs once untimed first (warm-up). Each round runs every variant once; the order is
+reversed every 3 rounds so that no variant always runs first or last and order effects cancel.
+Ratios are medians of the per-round ratios, with their range. ``--cold`` evicts the file from the
+page cache before every run (posix_fadvise DONTNEED of that one file): the read from disk. Then
+(not with --cold) the whole model load (load_offloaded with the int4 store from the cache) checked,
+and with start_load swapped for the unchecked read, in the same reversed-every-3 order. Prints the
+medians and ratios, and one JSON line last. Run it under the exclusive CPU lock (`cpulock ex`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
-from moespec.integrity import new_hasher, read_hashed, tensor_header, update
-from moespec.models.registry import adapter_for
+from moespec.integrity import read_into
 from moespec.paths import DEFAULT_MODEL_FOLDER, models_dir
-from moespec.runtime.host.checkpoint import WINDOW_BYTES, MappingWindow
-from moespec.runtime.host.quant_store import TENSOR, QuantStoreCache, _scales_finite
+from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import SafetensorsSource
 from moespec.runtime.host.store import ExpertStore
 
 
-def old_loop(cache: QuantStoreCache, store: ExpertStore, hash_inline: bool) -> None:
-    """The earlier load_into's copy loop (16 MiB blocks of safetensors slices through a mapping),
-    hashing each block after its copy as it did, or not at all (what loading cost before the checks)."""
-    buf = store.buffer
-    hasher = new_hasher()
-    tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
-    step = max(1, WINDOW_BYTES // buf.shape[2])
-    with MappingWindow(cache.path) as window:
-        for m in range(buf.shape[0]):
-            for e in range(0, buf.shape[1], step):
-                block = buf[m, e: e + step]
-                block.copy_(window.handle().get_slice(TENSOR)[m, e: e + block.shape[0]])
-                window.count(block.numel())
-                if hash_inline:
-                    update(hasher, block)
-    if hash_inline:
-        hasher.hexdigest()
-        assert _scales_finite(store)
-
-
 def unchecked(cache: QuantStoreCache, store: ExpertStore) -> None:
-    """load_into's read (readinto in the same chunks) without the hash and the scales check."""
+    """The checked read's read (integrity.read_into into the buffer) without the hash and the scales check."""
     offset, _ = cache._data_range(store.buffer)
     with open(cache.path, "rb", buffering=0) as fh:
-        assert read_hashed(fh, offset, store.buffer.view(-1).numpy(), None)
+        assert read_into(fh, offset, store.buffer.view(-1).numpy())
 
 
-def _evict(path) -> None:
+def _evict(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def order(names: list[str], round_index: int) -> list[str]:
+    """``names`` in round ``round_index``'s order: as given for 3 rounds, reversed for the next 3, ..."""
+    return list(names) if (round_index // 3) % 2 == 0 else list(reversed(names))
+
+
+def timed_rounds(variants: dict[str, Callable[[], object]], rounds: int, before: Callable[[], None] | None = None,
+                 after: Callable[[str, object], None] | None = None) -> dict[str, list[float]]:
+    """ms of each variant per round (one untimed warm-up run of each first), in :func:`order`."""
+    names = list(variants)
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(-1, rounds):  # round -1: warm-up, not recorded
+        for n in order(names, max(i, 0)):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            result = variants[n]()
+            elapsed = (time.perf_counter() - t) * 1e3
+            if after is not None:
+                after(n, result)  # untimed (e.g. joining a background check)
+            if i >= 0:
+                ms[n].append(elapsed)
+    return ms
+
+
+def ratio(ms: dict[str, list[float]], a: str, b: str) -> dict[str, float]:
+    """Median and range of the per-round ratios ms[a] / ms[b]."""
+    r = [x / y for x, y in zip(ms[a], ms[b])]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
 
 class _Unchecked:
@@ -88,93 +99,87 @@ class _Unchecked:
         return True
 
 
-def _model_load_ms(path, rounds: int = 6) -> dict[str, float]:
-    """Median ms of load_offloaded of the default model with its int4 store read from the cache,
-    checked and unchecked, interleaved; and the median of the per-round ratios."""
+def model_load_ms(path: Path, rounds: int) -> dict:
+    """load_offloaded of the default model with its int4 store read from the cache, checked and
+    unchecked: per-arm medians (ms) and the per-round ratio."""
     from moespec.config import RuntimeConfig
     from moespec.runtime.load import load_offloaded
 
     checked_start = QuantStoreCache.start_load
-    starts = {"checked": checked_start, "interleaved": lambda c, s: checked_start(c, s, interleave=True),
-              "unchecked": _Unchecked.start}
-    times: dict[str, list[float]] = {name: [] for name in starts}
+    starts = {"checked": checked_start, "unchecked": _Unchecked.start}
+
+    def load(name: str) -> Callable[[], None]:
+        def run() -> None:
+            QuantStoreCache.start_load = starts[name]
+            try:
+                load_offloaded(path, RuntimeConfig(expert_dtype="int4", predictor="none")).close()
+            finally:
+                QuantStoreCache.start_load = checked_start
+        return run
+
+    ms = timed_rounds({name: load(name) for name in starts}, rounds)
+    return {"ms_median": {k: statistics.median(v) for k, v in ms.items()}, "ratio": ratio(ms, "checked", "unchecked"),
+            "rounds": rounds}
+
+
+def fresh_store(path: Path, folder: Path) -> tuple[QuantStoreCache, ExpertStore]:
+    """A fresh copy of the default model's int4 store written into ``folder`` by the current writer,
+    and an empty ExpertStore of its shape to read it into (after a warm-up load of the model)."""
+    from moespec.config import RuntimeConfig
+    from moespec.runtime.load import load_offloaded
+
+    om = load_offloaded(path, RuntimeConfig(expert_dtype="int4", predictor="none"))  # builds the cache if needed
     try:
-        for i in range(rounds):
-            names = list(starts)
-            for name in names[i % 3:] + names[:i % 3]:
-                QuantStoreCache.start_load = starts[name]
-                t = time.perf_counter()
-                om = load_offloaded(path, RuntimeConfig(expert_dtype="int4", predictor="none"))
-                times[name].append((time.perf_counter() - t) * 1e3)
-                om.close()
+        loaded = om.store
+        cache = QuantStoreCache.for_store(path, SafetensorsSource(path).fingerprint, loaded)
+        fresh = dataclasses.replace(cache, path=folder / cache.path.name)
+        assert fresh.save(loaded) is None, "could not write the fresh store"
+        store = ExpertStore(loaded.moe_layers, loaded.num_experts, loaded.layout, om.dtype, pin=False,
+                            device=torch.device("cpu"))
     finally:
-        QuantStoreCache.start_load = checked_start
-    out = {k: statistics.median(v) for k, v in times.items()}
-    out["ratio"] = statistics.median([a / b for a, b in zip(times["checked"], times["unchecked"])])
-    out["ratio_interleaved"] = statistics.median([a / b for a, b in zip(times["interleaved"], times["unchecked"])])
-    return out
+        om.close()
+    assert fresh.load_into(store), f"the fresh store at {fresh.path} does not verify"
+    return fresh, store
 
 
-def main(rounds: int, cold: bool) -> None:
-    from transformers import AutoConfig
-
+def main(rounds: int, load_rounds: int, cold: bool) -> None:
     path = models_dir() / DEFAULT_MODEL_FOLDER
-    config = AutoConfig.from_pretrained(path)
-    adapter = adapter_for(config)
-    layout = adapter.layout(torch.float32, "int4", None)
-    store = ExpertStore(list(range(config.num_hidden_layers)), adapter.num_experts(), layout, torch.float32,
-                        pin=False, device=torch.device("cpu"))
-    cache = QuantStoreCache.for_store(path, SafetensorsSource(path).fingerprint, store)
-    assert cache.load_into(store), f"no valid cached store at {cache.path}"
-    variants = {"load_into": lambda: cache.load_into(store), "start": lambda: cache.start_load(store),
-                "interleaved": lambda: cache.start_load(store, interleave=True),
-                "inline": lambda: cache.load_into(store, overlap=False),
-                "unchecked": lambda: unchecked(cache, store), "old_load_into": lambda: old_loop(cache, store, True),
-                "old_unchecked": lambda: old_loop(cache, store, False)}
-    names = list(variants)
-    before = (lambda: _evict(cache.path)) if cold else None
-    ms: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(rounds):
-        k = i % len(names)
-        for n in names[k:] + names[:k]:
-            if before is not None:
-                before()
-            t = time.perf_counter()
-            result = variants[n]()
-            ms[n].append((time.perf_counter() - t) * 1e3)
-            if n in ("start", "interleaved"):
-                assert result is not None and result.wait()  # joined outside the timing
-    assert cache.load_into(store)
+    with tempfile.TemporaryDirectory(prefix="moespec-integrity-cost-") as tmp:
+        cache, store = fresh_store(path, Path(tmp))
+
+        def joined(name: str, result) -> None:
+            if name == "start":
+                assert result is not None and result.wait()
+
+        variants = {"start": lambda: cache.start_load(store), "load_into": lambda: cache.load_into(store),
+                    "inline": lambda: cache.load_into(store, overlap=False),
+                    "unchecked": lambda: unchecked(cache, store)}
+        ms = timed_rounds(variants, rounds, (lambda: _evict(cache.path)) if cold else None, joined)
+        assert cache.load_into(store)
     med = {n: statistics.median(v) for n, v in ms.items()}
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median([x / y for x, y in zip(ms[a], ms[b])])
-
-    pairs = [("load_into", "unchecked"), ("start", "unchecked"), ("interleaved", "unchecked"), ("inline", "unchecked"),
-             ("start", "interleaved"), ("load_into", "old_unchecked"),
-             ("old_load_into", "old_unchecked"), ("load_into", "old_load_into")]
-    ratios = {f"{a}/{b}": ratio(a, b) for a, b in pairs}
+    ratios = {f"{a}/{b}": ratio(ms, a, b) for a, b in
+              [("start", "unchecked"), ("load_into", "unchecked"), ("inline", "unchecked")]}
     out = {"store_bytes": store.buffer.numel(), "rounds": rounds, "cold": cold, "ms_median": med,
-           "ratio_median": ratios, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    if not cold:
-        out["model_load_ms"] = _model_load_ms(path)
-    gb = out["store_bytes"] / 1e6
-    print(f"store {gb:.1f} MB, {'from disk' if cold else 'page cache'}, median of {rounds} rounds:")
-    for n in names:
-        print(f"  {n:14} {med[n]:7.1f} ms  {gb / med[n]:5.2f} GB/s")
+           "ratio": ratios, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    mb = out["store_bytes"] / 1e6
+    print(f"int4 store {mb:.1f} MB, {'from disk' if cold else 'page cache'}, median of {rounds} rounds:")
+    for n in variants:
+        print(f"  {n:10} {med[n]:7.2f} ms  {mb / med[n]:5.2f} GB/s")
     for k, v in ratios.items():
-        print(f"  {k:28} {v:.3f}")
-    if "model_load_ms" in out:
-        load = out["model_load_ms"]
-        print(f"  the whole model load: checked {load['checked']:.0f} ms, interleaved {load['interleaved']:.0f} ms, "
-              f"unchecked {load['unchecked']:.0f} ms; checked/unchecked {load['ratio']:.3f}, "
-              f"interleaved/unchecked {load['ratio_interleaved']:.3f}")
+        print(f"  {k:20} {v['median']:.3f} (rounds {v['min']:.2f}-{v['max']:.2f})")
+    if not cold and load_rounds:
+        load = out["model_load"] = model_load_ms(path, load_rounds)
+        r = load["ratio"]
+        print(f"  model load, median of {load_rounds}: checked {load['ms_median']['checked']:.0f} ms, "
+              f"unchecked {load['ms_median']['unchecked']:.0f} ms")
+        print(f"  checked/unchecked {r['median']:.3f} (rounds {r['min']:.2f}-{r['max']:.2f})")
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--rounds", type=int, default=21, help="rounds of the store reads")
+    ap.add_argument("--load-rounds", type=int, default=12, help="rounds of the whole model load (0: skip)")
     ap.add_argument("--cold", action="store_true", help="evict the file before every run (read from disk)")
     args = ap.parse_args()
-    main(args.rounds, args.cold)
+    main(args.rounds, args.load_rounds, args.cold)

@@ -1,4 +1,5 @@
-"""Reads lines with the REPL's line editor and reports each one: ``GOT <chars> <sha256 of UTF-8>``.
+"""Reads lines with the REPL's line editor and reports each one: ``GOT <chars> <sha256 of UTF-8>``
+(first ``NOTE <line>`` when the history file was damaged and set aside).
 
 Run in a pseudo-terminal by tests/test_repl_terminal.py: ``python tests/pty_reader.py HISTORY_FILE``.
 """
@@ -10,6 +11,8 @@ from pathlib import Path
 from moespec.cli.line_editor import TerminalReader, undecodable
 
 reader = TerminalReader(Path(sys.argv[1]))
+if reader.note:
+    print(f"NOTE {reader.note}", flush=True)
 while True:
     line = reader.read()
     if line is None:

@@ -120,6 +120,28 @@ def test_a_flipped_byte_in_the_prepared_folder_makes_it_again(tmp_path, q8, monk
         assert resolve_model(str(path)) == folder and len(opened) == 1, name  # made again
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == good, name  # the same bytes as before
 
+def test_a_damaged_marker_key_is_not_trusted_for_the_model_key(tmp_path, q8):
+    """model_key reads the GGUF folder's key only when the marker matches its own digest; the next
+    use of the GGUF makes the folder again, and the key is back."""
+    from moespec.artifacts import model_key
+    from moespec.gguf import SOURCE_FILE
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(q8[0], path)
+    folder = resolve_model(str(path))
+    marker = folder / SOURCE_FILE
+    assert model_key(folder) == str(path)
+    good = marker.read_text()
+    assert good.count("m.gguf") >= 1
+    marker.write_text(good.replace("m.gguf", "n.gguf"))  # valid JSON, a plausible key, a stale digest
+    assert model_key(folder) == str(folder)  # not the damaged key: the folder's own path
+    unsealed = {k: v for k, v in json.loads(good).items() if k != "digest"}
+    marker.write_text(json.dumps(unsealed))  # an older marker without a digest: read as before
+    assert model_key(folder) == str(path)
+    marker.write_text(good.replace("m.gguf", "n.gguf"))
+    assert resolve_model(str(path)) == folder and marker.read_text() == good and model_key(folder) == str(path)
+
+
 def _write_raw(path, arch: str, experts: int) -> None:
     """A GGUF with an architecture's basic keys and one tensor (no tokenizer)."""
     import gguf

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moespec.cli.app import app
+from moespec.errors import DataError
 from moespec.profile.report import load_report
 from moespec.profile.schema import REPORT_SCHEMA, validate
 
@@ -106,12 +107,29 @@ def test_trace_is_valid_chrome_trace_json(profiled):
 def test_compare_two_saved_reports(profiled, tmp_path):
     out, rep, _ = profiled
     rep = copy.deepcopy(rep)
+    del rep["xxh3"]  # an edited report without its seal reads as an old, unsealed one
     rep["results"][0]["tpot_ms"]["mean"] *= 2
     rep["options"]["link_gbps"] = 1.0
     (tmp_path / "b.json").write_text(json.dumps(rep))
     res = invoke("--compare", str(out / "r.json"), str(tmp_path / "b.json"))
     assert res.exit_code == 0, res.output
     assert "A vs B" in res.output and "2.000" in res.output and "link_gbps" in res.output
+
+
+def test_a_saved_report_is_sealed_and_an_edit_is_refused_in_one_line(profiled, tmp_path):
+    out, rep, _ = profiled
+    from moespec.integrity import json_digest
+
+    assert rep["xxh3"] == json_digest(rep)  # the seal covers everything but itself
+    edited = copy.deepcopy(rep)
+    edited["results"][0]["tpot_ms"]["mean"] *= 2  # the seal left as written
+    (tmp_path / "b.json").write_text(json.dumps(edited, indent=1))
+    res = invoke("--compare", str(out / "r.json"), str(tmp_path / "b.json"))
+    assert res.exit_code == 2, res.output
+    first = res.output.strip().splitlines()[0]
+    assert "b.json" in first and "changed" in first and "Traceback" not in res.output
+    with pytest.raises(DataError, match="changed after"):
+        load_report(tmp_path / "b.json")
 
 
 def test_compare_refuses_a_file_that_is_not_a_report(profiled, tmp_path):

@@ -137,3 +137,29 @@ def test_an_older_row_format_is_rebuilt_never_misread(model):
     assert torch.equal(second.store.buffer, first.store.buffer)
     with safe_open(str(path), framework="pt") as fh:
         assert json.loads(fh.metadata()[qsc.META_KEY])["format"] == 3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e9])
+def test_weights_that_cannot_be_quantised_are_refused_in_one_line_every_start(model, bad, monkeypatch):
+    """A NaN/Inf expert weight (or one beyond float16's range) gives non-finite scales, which the
+    store's check refuses: instead of quantising again on every start, silently, each start says so
+    in one line naming the tensor and the file; nothing is cached."""
+    from moespec.errors import CheckpointError
+
+    monkeypatch.setenv("MOESPEC_HOME", str(model.parent / "home"))
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    weights[name][2, 5] = bad
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    layout = quant_layout.QuantLayout(hidden=32, intermediate=16, bits=4, group_size=64)
+    for _ in range(2):
+        with pytest.raises(CheckpointError) as info:
+            _load(model)
+        assert name in info.value.message and "model.safetensors" in info.value.message
+        assert "layer 1, expert 3" in info.value.message and "--expert-dtype auto" in info.value.hint
+        assert ("overflow" if bad == 1e9 else "1 of its 512 values are NaN or Inf") in info.value.message
+        assert not cache_path(model, layout).exists()
+    r = CliRunner().invoke(app, ["chat", str(model), "-p", "hi", "--max-new-tokens", "2", "--device", "cpu",
+                                 "--expert-dtype", "int4"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.startswith(f"error: tensor {name} (layer 1, expert 3) cannot be quantised")

@@ -1,9 +1,8 @@
-"""The quantised store's fast check (rows read in chunks, hashed and scale-checked on a second
-thread after the read, or as each chunk is read, or inline) against its slow reference
+"""The quantised store's fast check (rows read straight into the buffer, then hashed and
+scale-checked in one hand-over on a second thread, or inline) against its slow reference
 (safetensors reads the whole tensor, then the digest of the whole buffer and torch.isfinite):
-both take the intact file and both refuse every flipped
-bit, byte by byte over the whole file (header, scales, packed weights, the last byte), every cut
-and an appended tail, with chunks that end mid-tensor (several chunks and a short last one).
+both take the intact file and both refuse every flipped bit, byte by byte over the whole file
+(header, scales, packed weights, the last byte), every cut and an appended tail.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import struct
 import pytest
 import torch
 
-import moespec.runtime.host.quant_store as quant_store
 from moespec.runtime.host.quant_store import QuantStoreCache
 
 META = {"format": 3, "bits": 4}
@@ -31,8 +29,7 @@ class _Store:
 
 
 @pytest.fixture
-def written(tmp_path, monkeypatch):
-    monkeypatch.setattr(quant_store, "CHUNK_BYTES", 3 * SHAPE[2])  # 3 rows a chunk: 4 chunks, the last of 1 row
+def written(tmp_path):
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 256, SHAPE, dtype=torch.uint8, generator=gen)
     rows[..., :8] = torch.tensor([1.0, -0.5, 2.0, 0.25], dtype=torch.float16).view(torch.uint8)
@@ -44,12 +41,7 @@ def written(tmp_path, monkeypatch):
 def _verdicts(path) -> dict[str, bool]:
     cache = QuantStoreCache(path, META)
     out = {}
-    def interleaved(store) -> bool:
-        pending = cache.start_load(store, interleave=True)
-        return pending is not None and pending.wait()
-
-    for name, load in {"overlap": cache.load_into, "interleave": interleaved,
-                       "inline": lambda s: cache.load_into(s, overlap=False),
+    for name, load in {"overlap": cache.load_into, "inline": lambda s: cache.load_into(s, overlap=False),
                        "reference": cache.load_into_reference}.items():
         out[name] = load(_Store(torch.zeros(SHAPE, dtype=torch.uint8)))
     return out
@@ -76,7 +68,7 @@ def test_every_flipped_bit_of_the_file_is_refused_by_both(written):
             damaged = bytearray(data)
             damaged[at] ^= 0x01 if region != "length" else 0x40  # (bit 0 of the length: a 1-byte cut)
             path.write_bytes(bytes(damaged))
-            assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}, (region, at)
+            assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}, (region, at)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 100, -41, -40, -1])
@@ -84,15 +76,44 @@ def test_a_cut_or_an_appended_tail_is_refused_by_both(written, cut):
     path, _ = written
     data = path.read_bytes()
     path.write_bytes(data[:cut])
-    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
     path.write_bytes(data + b"\0")
-    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
 
 
-def test_a_nan_scale_in_the_last_chunk_is_refused_by_both(written):
-    """Written with a valid checksum: only the scales check can tell, in a chunk other than the first."""
+def test_a_nan_scale_in_the_last_row_is_refused_by_both(written):
+    """Written with a valid checksum: only the scales check can tell, in the last row of the buffer."""
     path, rows = written
     bad = rows.clone()
     bad[1, 4, 6:8] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)  # the last row's last scale
     assert QuantStoreCache(path, META).save(_Store(bad)) is None
-    assert _verdicts(path) == {"overlap": False, "interleave": False, "inline": False, "reference": False}
+    assert _verdicts(path) == {"overlap": False, "inline": False, "reference": False}
+
+
+def test_the_check_runs_on_a_second_thread_and_reraises_there():
+    """BackgroundCheck: the hash and the check run off the caller's thread, once, over the whole
+    buffer; an error raised there is raised by wait(), every time."""
+    import threading
+
+    from moespec.integrity import BackgroundCheck, new_hasher
+
+    data = bytes(range(256)) * 4096
+    seen = []
+
+    def check() -> bool:
+        seen.append(threading.current_thread().name)
+        return True
+
+    h, ref = new_hasher(), new_hasher()
+    job = BackgroundCheck(data, h, check)
+    assert job.wait() and job.wait() and seen == ["moespec-hash"]
+    ref.update(data)
+    assert h.hexdigest() == ref.hexdigest()
+
+    def broken() -> bool:
+        raise ValueError("bad")
+
+    job = BackgroundCheck(data, None, broken)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad"):
+            job.wait()

@@ -121,3 +121,50 @@ def test_chat_repl_in_a_terminal(tmp_path, tiny_models):
     assert child.before.count("TPOT") == 0  # nothing after the first answer was sent to the model
     history = (tmp_path / "chat_history").read_text()
     assert "+hello" in history and "+/stats" in history and "half a question" not in history
+
+
+def test_a_damaged_history_is_set_aside_with_one_note_and_the_session_starts_empty(tmp_path):
+    history = tmp_path / "history"
+    history.write_bytes(b"\n# 2026-12-01\n+what is 2+2?\n\xff\xfe garbage \x00\n+tail")
+    child = _reader(tmp_path)
+    child.expect(r"NOTE (.*)\r\n")
+    note = child.match.group(1)
+    assert "damaged (line 4 is not UTF-8)" in note and "empty history" in note
+    child.expect(PROMPT)
+    child.send(UP + "\r")  # nothing to bring back
+    _got(child, "")
+    child.send("hello\r")
+    _got(child, "hello")
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    assert (tmp_path / "history.damaged").read_bytes().startswith(b"\n# 2026-12-01")
+    again = _reader(tmp_path)  # the new history is whole: no note, the Up arrow brings "hello" back
+    i = again.expect([r"NOTE", PROMPT])
+    assert i == 1
+    again.send(UP + "\r")
+    _got(again, "hello")
+    again.sendcontrol("d")
+    again.expect(pexpect.EOF)
+
+
+def test_history_damage_accepts_what_filehistory_writes_and_names_each_fault(tmp_path):
+    from prompt_toolkit.history import FileHistory
+
+    from moespec.cli.line_editor import history_damage, set_aside
+
+    path = tmp_path / "h"
+    assert history_damage(path) is None  # absent: a first session
+    for text in ("one", "two\nlines", "", "+plus # hash", "\x00 nul", "é"):
+        FileHistory(str(path)).store_string(text)
+    assert history_damage(path) is None
+    good = path.read_bytes()
+    for damaged, why in [(good + b"\xc3", "is not UTF-8"), (good + b"stray text\n", "neither an entry nor"),
+                         (b"+ok\n\x80\n", "line 2 is not UTF-8")]:
+        path.write_bytes(damaged)
+        assert why in history_damage(path)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    assert history_damage(folder) == "it is not a file"
+    (tmp_path / "d.damaged").mkdir()  # cannot be replaced: the history stays in memory
+    freed, note = set_aside(folder, "it is not a file")
+    assert freed is None and "in memory only" in note and folder.is_dir()

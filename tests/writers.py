@@ -58,6 +58,22 @@ def quant_store(target: Path, mb: float = 0) -> None:
     assert note is None, note
 
 
+def disk_store(target: Path, mb: float = 0) -> None:
+    """The disk tier's store file (moespec.runtime.host.disk_store): fallocated, filled through its
+    mapping, then its header and row checksums, then renamed."""
+    from moespec.models.base import ExpertLayout
+    from moespec.runtime.host.disk_store import DiskStore
+
+    layout = ExpertLayout(hidden=32, intermediate=16)  # 6 KiB of float32 a row, an 8 KiB stride
+    experts = max(2, int(mb * 2**20 / 8192))
+    header = DiskStore.header_for({"m": experts}, [0], experts, layout, torch.float32)
+
+    def fill(store) -> None:
+        store.buffer.copy_(torch.arange(store.buffer.numel(), dtype=torch.float32).view_as(store.buffer))
+
+    DiskStore.write(target, header, layout, torch.float32, fill)
+
+
 def states_shard(target: Path, mb: float = 0) -> None:
     from moespec.estimator.states import ShardWriter
 
@@ -104,6 +120,7 @@ WRITERS = {
     "calibration": (calibration, "model.safetensors"),
     "estimator": (estimator, "model.safetensors"),
     "quant_store": (quant_store, "int4-g64.safetensors"),
+    "disk_store": (disk_store, "rows-float32.moerows"),
     "states_shard": (states_shard, "train-00000.safetensors"),
     "build_checkpoint": (build_checkpoint, "layer-00.safetensors"),
     "text": (text, "manifest.json"),

@@ -200,6 +200,7 @@ def _repl(session, out) -> None:
 
     err_console.print("[dim]/help lists the commands · Ctrl-C stops an answer · /exit quits[/]")
     reader = line_reader(out)
+    print_notes([reader.note] if reader.note else [])  # a damaged history file, set aside
     while True:
         try:
             line = _read_line(reader)

@@ -3,7 +3,7 @@
 The build marker (build.MARKER_FILE) records ``file_xxh3``: the XXH3-128 of ``model.safetensors``'s
 bytes (integrity.file_digest), written when the build finishes. At load, :func:`start_check` hashes
 the file on a second thread while the caller loads the model (xxhash hashes without the GIL, so
-the load is not held up: the same overlap as integrity.start_read_hashed for the int4 store), and
+the load is not held up: the same overlap as integrity.BackgroundCheck for the int4 store), and
 :meth:`ModelCheck.result` joins it before the first token:
 
 - the digest matches: nothing to do;

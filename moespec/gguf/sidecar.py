@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moespec.artifacts import gguf_marker_digest
 from moespec.errors import CheckpointError
 from moespec.fsutil import atomic_folder
 from moespec.gguf import SOURCE_FILE
@@ -40,22 +41,12 @@ def read_marker(folder: Path) -> dict | None:
         data = json.loads((Path(folder) / SOURCE_FILE).read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             return None
-        body = {k: v for k, v in data.items() if k != "digest"}
         files = data["files"]
-        if data.get("digest") != _json_digest(body) or files != _file_digests(Path(folder), list(files)):
+        if data.get("digest") != gguf_marker_digest(data) or files != _file_digests(Path(folder), list(files)):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return data
-
-
-def _json_digest(obj) -> str:
-    """XXH3-128 of ``obj``'s canonical JSON."""
-    from moespec.integrity import new_hasher
-
-    h = new_hasher()
-    h.update(json.dumps(obj, sort_keys=True).encode())
-    return h.hexdigest()
 
 
 def _file_digests(folder: Path, names: list[str] | None = None) -> dict[str, str]:
@@ -116,7 +107,7 @@ def prepare(files: GgufFiles, key: str) -> Path:
         marker = {"format": FORMAT, "key": key, "fingerprints": ck.fingerprints(), "checkpoint": ck.to_json(),
                   "files": _file_digests(tmp)}
         marker = json.loads(json.dumps(marker))  # as it reads back (tuples become lists), then sealed
-        marker["digest"] = _json_digest(marker)
+        marker["digest"] = gguf_marker_digest(marker)
         (tmp / SOURCE_FILE).write_text(json.dumps(marker), encoding="utf-8")
     return folder
 

@@ -168,12 +168,18 @@ class QuantLayout(ExpertLayout):
         model is never held in full precision.
 
         Raises:
-            CheckpointError: a tensor whose shape does not match the config (names both shapes).
+            CheckpointError: a tensor whose shape does not match the config (names both shapes), or
+                one whose quantisation scales are not finite (NaN/Inf weights, or weights beyond
+                float16's range): refused, since NaN scales give NaN experts and the store could
+                never be cached (its check refuses non-finite scales, so every start would quantise
+                again, silently).
         """
         h, i = self.hidden, self.intermediate
 
         def emit(layer: int, expert: int, proj: str, w: torch.Tensor, name: str):
             q = quantize(w, self.spec)
+            if not bool(torch.isfinite(q.scales).all()):
+                raise nonfinite_weights(name, layer, expert, w, self.bits)
             parts = {"scales": q.scales.view(torch.uint8), "zeros": q.zeros, "codes": q.codes}
             return [(ExpertKey(layer, expert, f"{proj}.{k}"), t, name) for k, t in parts.items()]
 
@@ -198,6 +204,17 @@ class QuantLayout(ExpertLayout):
             return out
 
         return convert
+
+
+def nonfinite_weights(name: str, layer: int, expert: int, weight: torch.Tensor, bits: int) -> CheckpointError:
+    """The one-line refusal of an expert weight whose int scales are not finite (QuantLayout.converter)."""
+    finite = torch.isfinite(weight)
+    if bool(finite.all()):
+        why = f"values up to {float(weight.abs().max()):.3g} overflow its float16 int{bits} scales"
+    else:
+        why = f"{int((~finite).sum()):,} of its {weight.numel():,} values are NaN or Inf"
+    return CheckpointError(f"tensor {name} (layer {layer}, expert {expert}) cannot be quantised: {why}",
+                           "repair or download the checkpoint again, or run with --expert-dtype auto")
 
 
 def expert_format(layout: ExpertLayout, dtype: torch.dtype) -> str:

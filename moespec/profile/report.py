@@ -238,23 +238,36 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "--o
 
 
 def write_json(path: str | os.PathLike, obj: dict, force: bool) -> None:
-    """Write ``obj`` as indented JSON atomically (NaN/Inf, which JSON lacks, written as null)."""
-    from moespec.integrity import json_safe
+    """Write ``obj`` as indented JSON atomically (NaN/Inf, which JSON lacks, written as null), sealed:
+    its field ``xxh3`` is the XXH3-128 of the rest (integrity.seal_json), which :func:`load_report` checks."""
+    from moespec.integrity import json_safe, seal_json
 
     with atomic_path(path, force=force) as tmp:
-        tmp.write_text(json.dumps(json_safe(obj), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(seal_json(json_safe(obj)), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def load_report(path: str | os.PathLike) -> dict:
-    """Read and validate a saved report.
+    """Read, verify and validate a saved report; returned without its ``xxh3`` seal.
+
+    A report whose seal does not match its content (edited or damaged since `moespec profile` wrote
+    it) is refused; one without a seal (written before reports were sealed, e.g. the committed
+    examples in ``profiles/``) is read as before.
 
     Raises:
-        DataError: unreadable, not JSON, another schema version, or invalid (names the first problems).
+        DataError: unreadable, not JSON, its content changed since it was sealed, another schema
+            version, or invalid (names the first problems).
     """
+    from moespec.integrity import JSON_DIGEST_KEY, open_json
+
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path}: cannot read a profile report ({exc})", "pass a file written by `moespec profile --out`") from None
+    obj, intact = open_json(obj)
+    if intact is False:
+        raise DataError(f"{path}: the report changed after `moespec profile` wrote it (its {JSON_DIGEST_KEY} does not "
+                        "match its content)", f"re-run `moespec profile --out`, or delete its {JSON_DIGEST_KEY} "
+                        "field to read an edited report unchecked")
     if not isinstance(obj, dict) or obj.get("kind") != "moespec.profile":
         raise DataError(f"{path} is not a moespec profile report", "pass a file written by `moespec profile --out`")
     if obj.get("schema_version") != SCHEMA_VERSION:

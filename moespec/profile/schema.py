@@ -110,6 +110,8 @@ REPORT_SCHEMA = {
         "policy_hit_rates": {"type": "object"},  # optional: prompt length -> policy -> hit rates
         # optional (--copy-share): asked, probe_tpot_ms, bytes_per_token, link_gbps, reached (prompt len -> share)
         "copy_share": {"type": ["object", "null"]},
+        # optional: the XXH3-128 of the rest (integrity.seal_json); older reports lack it
+        "xxh3": _STR,
     }, required=["schema_version", "kind", "created", "versions", "hardware", "model", "options", "cache", "link",
                  "trace", "results"]),
 }

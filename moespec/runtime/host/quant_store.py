@@ -10,7 +10,7 @@ a few kB per shard, never the weights.
 
 A file whose header differs in anything (checkpoint changed, other settings, older format), that
 cannot be read (truncated), whose data does not match the XXH3-128 checksum in its header (a flipped
-byte; moespec.integrity, checked on a second thread once the rows are read in) or whose scales are
+byte; moespec.integrity, checked on a second thread once the rows are read in, in one hand-over) or whose scales are
 not finite is never used: the store is quantised again from the checkpoint and the file rewritten
 atomically (moespec.fsutil). Wrong weights need a checkpoint rewritten with the same sizes, mtimes
 and headers. The file is only a cache: when it cannot be written (a full disk, a read-only home)
@@ -30,7 +30,7 @@ import torch
 
 from moespec.artifacts import quant_store_path
 from moespec.errors import OutputError
-from moespec.integrity import CHUNK_BYTES, DIGEST_KEY, new_hasher, tensor_header
+from moespec.integrity import DIGEST_KEY, new_hasher, tensor_header
 from moespec.models.quant_layout import QuantLayout
 from moespec.runtime.host.store import ExpertStore
 
@@ -89,33 +89,34 @@ class QuantStoreCache:
     def load_into(self, store: ExpertStore, overlap: bool = True) -> bool:
         """Fill ``store.buffer`` from the file, verified; False when it is absent, stale or damaged.
 
-        :meth:`start_load` then its ``wait()``; ``overlap=False`` checks each chunk inline instead
+        :meth:`start_load` then its ``wait()``; ``overlap=False`` hashes and checks inline instead
         (one thread). Nothing partial is used: the caller quantises the whole store again when this
         returns False, and :meth:`save` replaces the file. :meth:`load_into_reference` is the slow check.
         """
         if overlap:
             pending = self.start_load(store)
             return pending is not None and pending.wait()
-        return self._read(store, overlap=False) is True
+        read = self._read(store)
+        return read is not None and PendingLoad(*read, inline=True).wait()
 
-    def start_load(self, store: ExpertStore, interleave: bool = False) -> PendingLoad | None:
+    def start_load(self, store: ExpertStore) -> PendingLoad | None:
         """Read the rows into ``store.buffer`` and return while they are still being checked.
 
-        The rows are read straight into the buffer in chunks of whole rows (integrity.start_read_hashed);
-        once all are read, a second thread hashes them (XXH3-128, the file's digest) and checks each
-        chunk's scales for NaN/Inf, overlapped with whatever the caller does until
-        :meth:`PendingLoad.wait` (e.g. loading the dense weights). ``interleave=True`` hands each
-        chunk to that thread as soon as it is read instead (the earlier way; slower here:
-        scripts/integrity_cost.py). Only the scales can be NaN: the packed integer weights cannot.
-        Returns None when the file is absent, stale or unreadable (nothing started). The buffer must
-        not be used, or freed, before ``wait()``.
+        The rows are read straight into the buffer (integrity.read_into, one copy), then the whole
+        buffer goes to a second thread in one hand-over (integrity.BackgroundCheck): XXH3-128 (the
+        file's digest) and NaN/Inf in the scales, overlapped with whatever the caller does until
+        :meth:`PendingLoad.wait` (e.g. loading the dense weights). Only the scales can be NaN: the
+        packed integer weights cannot. Returns None when the file is absent, stale or unreadable
+        (nothing started). The buffer must not be used, or freed, before ``wait()``.
         """
-        pending = self._read(store, overlap=True, interleave=interleave)
-        return pending if isinstance(pending, PendingLoad) else None
+        read = self._read(store)
+        return None if read is None else PendingLoad(*read)
 
-    def _read(self, store: ExpertStore, overlap: bool, interleave: bool = False):
-        """A PendingLoad (``overlap``), True/False (inline: verified or not), None (absent or stale)."""
-        from moespec.integrity import read_hashed, start_read_hashed
+    def _read(self, store: ExpertStore):
+        """(the buffer's bytes, a hasher fed the tensor's header, the scales check, the digest
+        wanted) once every row is read into ``store.buffer``; None when the file is absent, stale,
+        unreadable or shorter than its header says."""
+        from moespec.integrity import read_into
 
         if not self.path.is_file():
             return None
@@ -126,22 +127,15 @@ class QuantStoreCache:
                 return None
             offset, want = found
             rows = buf.view(-1, buf.shape[-1]).numpy()  # [M * E, P]
-            n, row_bytes = _scale_bytes(store.layout), buf.shape[-1]
-            hasher = new_hasher()
-            tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
-
-            def scales_ok(start: int, stop: int) -> bool:  # whole rows: chunks are multiples of a row
-                return _rows_finite(rows[start // row_bytes: stop // row_bytes], n)
-
-            per_chunk = max(1, CHUNK_BYTES // row_bytes) * row_bytes
+            n = _scale_bytes(store.layout)
             with open(self.path, "rb", buffering=0) as fh:
-                if not overlap:
-                    return read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok) \
-                        and hasher.hexdigest() == want
-                return PendingLoad(start_read_hashed(fh, offset, rows.reshape(-1), hasher, per_chunk, scales_ok,
-                                                     interleave), hasher, want)
+                if not read_into(fh, offset, rows.reshape(-1)):
+                    return None
         except Exception:  # a damaged header (bad JSON, wrong types), an unreadable file: rebuild
             return None
+        hasher = new_hasher()
+        tensor_header(hasher, TENSOR, buf.dtype, buf.shape)
+        return rows.reshape(-1), hasher, lambda: _rows_finite(rows, n), want
 
     def _data_range(self, buf: torch.Tensor) -> tuple[int, str] | None:
         """(byte offset of the rows in the file, the digest its header records), or None when the
@@ -207,18 +201,29 @@ class QuantStoreCache:
 
 
 class PendingLoad:
-    """A quantised store read into its buffer whose check may still be running (QuantStoreCache.start_load)."""
+    """A quantised store read into its buffer whose check may still be running (QuantStoreCache.start_load).
 
-    def __init__(self, read, hasher, want: str) -> None:
-        self._read, self._hasher, self._want = read, hasher, want
+    Args:
+        data: the buffer's bytes; hasher: fed the tensor's header already; check: the scales check;
+        want: the digest the file records; inline: check in :meth:`wait` instead of on a thread.
+    """
+
+    def __init__(self, data, hasher, check, want: str, inline: bool = False) -> None:
+        from moespec.integrity import BackgroundCheck
+
+        self._data, self._hasher, self._check, self._want = data, hasher, check, want
+        self._thread = None if inline else BackgroundCheck(data, hasher, check)
         self._result: bool | None = None
 
     def wait(self) -> bool:
-        """True when every row was read, its digest matches the file's and every scale is finite;
-        False otherwise (quantise again: the buffer holds damaged rows). Idempotent."""
+        """True when its digest matches the file's and every scale is finite; False otherwise
+        (quantise again: the buffer holds damaged rows). Idempotent."""
+        from moespec.integrity import check_bytes
+
         if self._result is None:
             try:
-                self._result = self._read.wait() and self._hasher.hexdigest() == self._want
+                ok = self._thread.wait() if self._thread is not None else check_bytes(self._data, self._hasher, self._check)
+                self._result = ok and self._hasher.hexdigest() == self._want
             except Exception:
                 self._result = False
         return self._result

@@ -16,6 +16,7 @@ from typing import Iterator, NamedTuple, Protocol
 
 import torch
 
+from moespec.errors import CheckpointError
 from moespec.models.base import ExpertKey, MoeAdapter
 from moespec.models.layout import ExpertLayout
 
@@ -95,7 +96,11 @@ class SafetensorsSource:
             if key is None:
                 yield SourceTensor(None, adapter.dense_name(name), tensor, file.name, mapped=True)
                 continue
-            for k, t, n in convert(key, tensor, name):
+            try:
+                converted = convert(key, tensor, name)
+            except CheckpointError as exc:  # a shape or NaN weights: the file named too
+                raise CheckpointError(f"{exc.message} (in {file.name})", exc.hint) from None
+            for k, t, n in converted:
                 yield SourceTensor(k, n, t, file.name, mapped=True)
 
     def fingerprint(self) -> list[list]:
