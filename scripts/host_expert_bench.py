@@ -20,6 +20,7 @@ The last line of stdout is one JSON object (the config, versions and every row).
 Usage:
     python scripts/host_expert_bench.py
     python scripts/host_expert_bench.py --shapes qwen3 --formats int4,w4a8 --tokens 1 --threads 1
+    python scripts/host_expert_bench.py --shapes qwen3 --tokens 1 --threads 1 --isa avx2,avx512
 """
 
 from __future__ import annotations
@@ -152,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-dispatch", type=int, default=0,
                     help="experts per dispatch (default: the shape's top-k, 8 or 4)")
     ap.add_argument("--reference", action="store_true", help="also time the slow reference at one thread")
+    ap.add_argument("--isa", default="", help="kernel instruction sets to compare (comma list of avx2, avx512; "
+                    "default: the one in use)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     status = native.status()
-    print(f"kernels: {'native (moespec/kernels/csrc)' if status.lib else status.note}")
+    isas = [v for v in args.isa.split(",") if v] or [native.current_isa() or "-"]
+    if status.lib is not None and "avx512" in isas and status.isa != "avx512":
+        ap.error(f"--isa avx512: {status.isa_note}")
+    print(f"kernels: {'native (moespec/kernels/csrc), ' + (status.isa_note or status.isa) if status.lib else status.note}")
     print(f"cpu: {platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}")
     rows, mem_cache = [], {}
-    head = f"{'shape':8} {'rows':9} {'t':>3} {'thr':>3} {'ms/expert':>10} {'row GB/s':>9} {'mem GB/s':>9} {'share':>6}"
+    head = (f"{'shape':7} {'rows':9} {'isa':6} {'t':>3} {'thr':>3} {'ms/expert':>9} {'row GB/s':>8} "
+            f"{'mem GB/s':>8} {'share':>5}")
     print(head)
     print("-" * len(head))
     for shape in args.shapes.split(","):
@@ -167,24 +174,31 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in args.formats.split(","):
             store, dtype = make_store(fmt, hidden, inter, k)
             row_bytes = store.expert_bytes
-            arms = [(threads, False) for threads in _ints(args.threads)]
+            arms = [(threads, False, isa) for threads in _ints(args.threads) for isa in isas]
             if args.reference and fmt not in ("w8a8", "w4a8"):
-                arms.insert(0, (1, True))
-            for threads, ref in arms:
+                arms.insert(0, (1, True, "-"))
+            for threads, ref, isa in arms:
                 for tokens in _ints(args.tokens):
                     mem = memory_read_gbs(threads)
                     mem_cache.setdefault(threads, []).append(mem)
-                    ms = time_pool(store, dtype, tokens, threads, k, args.reps, Split(args.split), ref)
+                    before = native.set_isa(isa) if isa in native.ISAS else None
+                    try:
+                        ms = time_pool(store, dtype, tokens, threads, k, args.reps, Split(args.split), ref)
+                    finally:
+                        if before is not None:
+                            native.set_isa(before)
                     gbs = row_bytes / ms / 1e6
                     name = fmt + (" ref" if ref else "")
-                    print(f"{shape:8} {name:9} {tokens:3d} {threads:3d} {ms:10.3f} {gbs:9.1f} {mem:9.1f} "
-                          f"{gbs / mem:6.0%}", flush=True)
+                    print(f"{shape:7} {name:9} {isa:6} {tokens:3d} {threads:3d} {ms:9.3f} {gbs:8.1f} {mem:8.1f} "
+                          f"{gbs / mem:5.0%}", flush=True)
                     rows.append({"shape": shape, "hidden": hidden, "intermediate": inter, "format": fmt,
-                                 "path": "reference" if ref else "kernels", "tokens": tokens, "threads": threads,
-                                 "ms_per_expert": round(ms, 4), "row_bytes": row_bytes, "row_gbs": round(gbs, 2),
-                                 "memory_read_gbs": round(mem, 2), "share": round(gbs / mem, 3)})
+                                 "path": "reference" if ref else "kernels", "isa": isa, "tokens": tokens,
+                                 "threads": threads, "ms_per_expert": round(ms, 4), "row_bytes": row_bytes,
+                                 "row_gbs": round(gbs, 2), "memory_read_gbs": round(mem, 2),
+                                 "share": round(gbs / mem, 3)})
             del store
     print(json.dumps({"bench": "host_expert", "kernels": "native" if status.lib else status.note,
+                      "isa": status.isa, "isa_note": status.isa_note,
                       "machine": platform.machine(), "cores": cores, "torch": torch.__version__,
                       "split": args.split, "reps": args.reps,
                       "experts_per_dispatch": {s: args.per_dispatch or SHAPES[s][2] for s in SHAPES},

@@ -220,19 +220,33 @@ def linear_serial(x: torch.Tensor, w, act_int8: bool = False) -> torch.Tensor:
         return linear(x, w, act_int8)
 
 
-def quantize_act_reference(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The activations the "a8" kernels multiply: x [T, C] quantised per group to int8 and back, float32.
+def quantize_act_codes_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes [T, C] and scales d [T, G] (float32) the "a8" kernels compute for x [T, C].
 
-    Per token and group: scale max|x| / 127, codes round_half_even(x * (127 / max|x|)) (the kernel's order
-    of operations, so the codes agree), value code * scale.
+    Per token and group: d = max|x| / 127, codes round_half_even(x * (127 / max|x|)) clamped to
+    [-127, 127] (0 where max|x| = 0): csrc/a8.c's quantize_act, bit for bit. 127 / max|x| is one
+    true division as in C (``scalar / tensor`` in torch is reciprocal-then-multiply, two roundings,
+    which moved a tie to the other code ~1 time in 10**5).
     """
     t, c = x.shape
     n = -(-c // group_size)
     xp = F.pad(x.float(), (0, n * group_size - c)).view(t, n, group_size)
     amax = xp.abs().amax(-1, keepdim=True)  # [T, G, 1]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(xp * inv).clamp_(-127, 127)
-    return (q * (amax / 127.0)).view(t, -1)[:, :c]
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    q = torch.round(xp * inv).clamp_(-127, 127)  # torch.round: half to even, as vcvtps2dq
+    return q.view(t, -1)[:, :c].to(torch.int8), (amax / 127.0).view(t, n)
+
+
+def quantize_act_reference(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The activations the "a8" kernels multiply: x [T, C] quantised per group to int8 and back, float32.
+
+    Value code * scale, codes and scales from :func:`quantize_act_codes_reference`.
+    """
+    t, c = x.shape
+    q, d = quantize_act_codes_reference(x, group_size)
+    n = d.shape[1]
+    qp = F.pad(q.float(), (0, n * group_size - c)).view(t, n, group_size)
+    return (qp * d.view(t, n, 1)).view(t, -1)[:, :c]
 
 
 def linear_reference(x: torch.Tensor, w, act_int8: bool = False) -> torch.Tensor:

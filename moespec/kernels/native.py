@@ -12,6 +12,9 @@ Build: ``$CC`` (default ``cc``) with ``-O3 -mavx2 -mfma -mf16c`` (:data:`FLAGS`)
 checked against the XXH3-128 written beside it before every load (a damaged library is compiled again).
 Without AVX2/FMA/F16C, without a compiler, or with ``MOESPEC_CPU_KERNELS=0`` there is no library
 and callers use the reference path (dequantise, then ``F.linear``); :func:`status` says why, in one line.
+Where the CPU has AVX-512 (F/BW/VL/VNNI/BF16, :data:`NEEDED_512`) csrc/avx512.c's kernels run for one
+token and for int8 activations (``MOESPEC_CPU_ISA=avx2`` keeps AVX2; :func:`set_isa` switches at run
+time); ``Status.isa_note`` says in one line why they do not.
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, tiles.c, a8.c, expert.c: one library
+CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, tiles.c, a8.c, expert.c (+ avx512.c): one library
 # -fno-tree-loop-distribute-patterns: gcc turned the kernels' small copy loops into ``rep movsq``,
 # which took half the time of the several-token kernel on this project's AMD VM (perf annotate).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11")
 NEEDED = ("avx2", "fma", "f16c")
 KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 2, 3
 FALLBACK = "experts computed on the CPU use the reference path (dequantise, then matmul)"
+# csrc/avx512.c (compiled for AVX-512 by a target pragma; the rest of the library stays AVX2) runs
+# where the CPU has these (/proc/cpuinfo names) and MOESPEC_CPU_ISA is not "avx2".
+NEEDED_512 = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+ISAS = ("avx2", "avx512")
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -45,6 +52,7 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                      _I, _I, _I, _P]),
+    "cpu_isa": (ctypes.c_int, [ctypes.c_int]),
 }
 
 
@@ -55,10 +63,14 @@ class Status:
     Attributes:
         lib: the loaded library (None: callers use the reference path).
         note: None, or one line saying why there is no library and what runs instead.
+        isa: the kernels' instruction set at load, "avx512" or "avx2" (None without a library).
+        isa_note: None, or one line saying why the AVX-512 kernels do not run.
     """
 
     lib: ctypes.CDLL | None
     note: str | None
+    isa: str | None = None
+    isa_note: str | None = None
 
 
 def cpu_flags() -> set[str]:
@@ -137,7 +149,48 @@ def status() -> Status:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    return Status(lib, None)
+    isa, isa_note = _choose_isa(lib)
+    return Status(lib, None, isa, isa_note)
+
+
+def _choose_isa(lib: ctypes.CDLL) -> tuple[str, str | None]:
+    """Switch the library to AVX-512 where the CPU has it and MOESPEC_CPU_ISA allows; (isa, note)."""
+    want = os.environ.get("MOESPEC_CPU_ISA", "auto").lower()
+    missing = [f for f in NEEDED_512 if f not in cpu_flags()]
+    if want == "avx2":
+        note = "MOESPEC_CPU_ISA=avx2: the CPU kernels use AVX2"
+    elif want not in ("auto", "avx512"):
+        note = f"MOESPEC_CPU_ISA={want} is not auto, avx2 or avx512: the CPU kernels use AVX2"
+    elif missing:
+        note = f"this CPU lacks {'/'.join(m.upper() for m in missing)}: the CPU kernels use AVX2"
+    else:
+        note = None
+    on = lib.cpu_isa(1 if note is None else 0)
+    if note is None and not on:  # /proc/cpuinfo lists them, the OS does not save zmm state
+        note = "the OS does not enable AVX-512: the CPU kernels use AVX2"
+    return ISAS[on], note
+
+
+def set_isa(name: str) -> str:
+    """Run the kernels with ``name`` ("avx2" or "avx512", where the CPU has it); returns the previous.
+
+    For tests and benchmarks (the two kernels side by side in one process). Raises ValueError for an
+    unknown name; "avx512" on a CPU without it stays on AVX2 (see :func:`current_isa`).
+    """
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}: one of {', '.join(ISAS)}")
+    lib = library()
+    if lib is None:
+        return name
+    before = ISAS[lib.cpu_isa(-1)]
+    lib.cpu_isa(ISAS.index(name))
+    return before
+
+
+def current_isa() -> str | None:
+    """The kernels' instruction set now, "avx512" or "avx2" (None without a library)."""
+    lib = library()
+    return None if lib is None else ISAS[lib.cpu_isa(-1)]
 
 
 def library() -> ctypes.CDLL | None:

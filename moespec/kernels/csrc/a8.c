@@ -2,7 +2,7 @@
  *
  * quantize_act: per token and weight group, d = max|x| / 127,
  * xq = round_half_even(x * (127 / max|x|)) (int8), qsum = sum of xq (as float) over the group. */
-#include "common.h"
+#include "avx512.h"
 
 void quantize_act(const float* x, i64 T, i64 ldx, i64 C, i64 g, int8_t* xq, float* d,
                   float* qsum) {
@@ -169,6 +169,7 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
               i64 ldy, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g;
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
+    if (isa512_on()) return a8_avx512(kind, xq, d, qsum, T, codes, scales, zeros, C, g, y, ldy, r0, r1);
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
         prefetch_scales(scales, zeros, G, r + 8 * PF_BLOCKS, 8, r1);  /* codes: in the row loops */

@@ -1,5 +1,5 @@
 /* One token: dense and exact low-bit GEMV, and the float32-activation entry point. */
-#include "common.h"
+#include "avx512.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* Group sums of the activations: xs[t, j] = sum of x[t, c] over group j (the exact t = 1 kernels). */
@@ -171,6 +171,7 @@ int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const
             group_sums(x, 1, ldx, C, g, xs_buf);
             xs = xs_buf;
         }
+        if (isa512_on() && t1_avx512(kind, x, xs, w, scales, zeros, C, g, y, r0, r1) == 0) return 0;
         switch (kind) {
             case KIND_F32: f32_t1(x, (const float*)w, C, y, r0, r1); return 0;
             case KIND_BF16: bf16_t1(x, (const uint16_t*)w, C, y, r0, r1); return 0;

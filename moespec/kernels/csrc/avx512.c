@@ -1,0 +1,341 @@
+/* AVX-512 kernels for one token (exact, float32 activations) and for int8 activations (VNNI).
+ *
+ * Shapes and formats as in common.h. Only this file is compiled for AVX-512 (the target pragma
+ * below), so the library still loads on an AVX2-only CPU; cpu_isa() picks the kernels at run time.
+ *   bf16 rows, one token: when every activation is a bfloat16 value (a bfloat16 model's x, widened
+ *     to float32 by the caller), x is packed to bfloat16 (exact) and each pair of products is one
+ *     vdpbf16ps: the products are exact in float32 and summed in float32, as the AVX2 kernel does
+ *     (another order of the sum; vdpbf16ps treats bfloat16 subnormals as zero). Other activations:
+ *     the AVX2 kernel.
+ *   q8 / q4 rows, one token: as lowbit_t1 in t1.c (the group's zero point factored out; per group
+ *     p = sum q * x in float32), 16 columns per zmm; q4 low nibbles become floats by one vpermps
+ *     from a 16-entry table (the index is the dword's low 4 bits, so no mask is needed).
+ *   int8 activations: per group the integer dot sum q * xq by vpdpbusd (unsigned codes x signed
+ *     xq, 4 products per int32 lane, no saturation: |sum| <= 256 * 255 * 127 < 2**31), then
+ *     y = sum_j s_j d_j (dot_j - z_j qsum_j), as the AVX2 kernels (equal integer dots).
+ * float32 rows stay on AVX2: zmm measured slower there (0.841 vs 0.775 ms per Qwen3-shaped expert).
+ */
+#include "avx512.h"
+
+static int isa = -1;  /* -1: not chosen yet; 0: AVX2; 1: AVX-512 */
+
+static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+
+int cpu_isa(int want) {
+    if (want >= 0) isa = want && cpu_has_avx512();
+    else if (isa < 0) isa = cpu_has_avx512();
+    return isa;
+}
+
+int isa512_on(void) { return isa < 0 ? cpu_isa(-1) : isa; }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")
+
+/* ------------------------------------------------------------------------------------------ */
+/* bf16 rows, one token, bfloat16 activations: 4 rows share each load of x (32 columns). */
+static int bf16_exact(const float* x, i64 C) {
+    __mmask16 bad = 0;
+    i64 k = 0;
+    for (; k + 16 <= C; k += 16) bad |= _mm512_test_epi32_mask(_mm512_loadu_si512(x + k), _mm512_set1_epi32(0xffff));
+    if (k < C) {
+        const __mmask16 m = (__mmask16)((1u << (C - k)) - 1);
+        bad |= _mm512_mask_test_epi32_mask(m, _mm512_maskz_loadu_epi32(m, x + k), _mm512_set1_epi32(0xffff));
+    }
+    return bad == 0;
+}
+
+static void bf16_t1_512(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
+    uint16_t xb[C + 32];
+    for (i64 k = 0; k < C; k += 16) {
+        const __mmask16 m = C - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (C - k)) - 1);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
+        _mm256_storeu_si256((__m256i*)(xb + k), (__m256i)h);
+    }
+    const i64 ahead = pf_ahead(C * 2, 4);
+    const uint8_t* wb = (const uint8_t*)w;
+    for (i64 r = r0; r < r1; r += 4) {
+        const i64 n = r1 - r < 4 ? r1 - r : 4;  /* a short last block repeats its last row */
+        const uint16_t* p[4];
+        for (i64 i = 0; i < 4; i++) p[i] = w + (r + (i < n ? i : n - 1)) * C;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        i64 k = 0;
+        for (; k + 32 <= C; k += 32) {
+            for (i64 i = 0; i < 4; i++) _mm_prefetch((const char*)(wb + ahead) + (p[i] - w + k) * 2, _MM_HINT_T0);
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(p[0] + k), xv);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(p[1] + k), xv);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(p[2] + k), xv);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(p[3] + k), xv);
+        }
+        if (k < C) {  /* the last C % 32 columns (a zero-padded pair where C is odd) */
+            const __mmask32 m = (__mmask32)((1ull << (C - k)) - 1);
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, p[0] + k), xv);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, p[1] + k), xv);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(m, p[2] + k), xv);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(m, p[3] + k), xv);
+        }
+        const float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                            _mm512_reduce_add_ps(a3)};
+        for (i64 i = 0; i < n; i++) y[r + i] = s[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* q8 / q4 rows, one token, exact: two rows share every load of x (t1.c's lowbit_t1 in zmm). */
+static inline __attribute__((always_inline)) __m512 q4_lo(__m512i v, __m512 lut) {
+    return _mm512_permutexvar_ps(v, lut);  /* lut[v & 15]: vpermps reads the index's low 4 bits */
+}
+static inline __attribute__((always_inline)) __m512 q4_hi(__m512i v) {
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline __attribute__((always_inline)) __m512i u8x16(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+}
+
+static inline __attribute__((always_inline)) void lowbit_t1_512(const int bits, const float* x, const float* xs,
+        const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0,
+        i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C * bits / 8;
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i tail_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    float sv0[G], sv1[G];
+    const i64 ahead = pf_ahead(rb, 2);
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
+        const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
+        prefetch_scales(scales, zeros, G, r + 2 * PF_BLOCKS, 2, r1);
+        const float z0 = row_prep(scales + r * G, zeros + r * G, NULL, xs, 0.0f, G, sv0);
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1);
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m512 p0 = _mm512_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
+            i64 k = k0;
+            if (((k0 * bits / 8) & 63) == 0) {  /* once per 64 bytes of each row (g * bits / 8 <= 64) */
+                if (bits == 4) {
+                    pf_span_t0(b0 + k0 / 2 + ahead, g / 2);
+                    pf_span_t0(b1 + k0 / 2 + ahead, g / 2);
+                } else {
+                    pf_span(b0 + k0 + ahead, g);
+                    pf_span(b1 + k0 + ahead, g);
+                }
+            }
+            if (bits == 4) {
+                for (; k + 32 <= k1; k += 32) {  /* 16 bytes: columns k .. k+15 low, k+16 .. k+31 high */
+                    const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+                    const __m512i v0 = u8x16(b0 + k / 2), v1 = u8x16(b1 + k / 2);
+                    p0 = _mm512_fmadd_ps(q4_lo(v0, lut), xa, p0);
+                    q0 = _mm512_fmadd_ps(q4_hi(v0), xb, q0);
+                    p1 = _mm512_fmadd_ps(q4_lo(v1, lut), xa, p1);
+                    q1 = _mm512_fmadd_ps(q4_hi(v1), xb, q1);
+                }
+                if (k < k1) {  /* a row's last 16 columns in 8 bytes: codes i and i + 8 */
+                    const __m512 xa = _mm512_loadu_ps(x + k);
+                    __m128i c0 = _mm_loadl_epi64((const __m128i*)(b0 + k / 2));
+                    __m128i c1 = _mm_loadl_epi64((const __m128i*)(b1 + k / 2));
+                    const __m512i v0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c0, c0)), tail_shift);
+                    const __m512i v1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c1, c1)), tail_shift);
+                    p0 = _mm512_fmadd_ps(q4_lo(v0, lut), xa, p0);
+                    p1 = _mm512_fmadd_ps(q4_lo(v1, lut), xa, p1);
+                }
+            } else {
+                for (; k + 32 <= k1; k += 32) {
+                    const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
+                    p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k)), xa, p0);
+                    q0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k + 16)), xb, q0);
+                    p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
+                    q1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k + 16)), xb, q1);
+                }
+                if (k < k1) {
+                    const __m512 xa = _mm512_loadu_ps(x + k);
+                    p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k)), xa, p0);
+                    p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
+                }
+            }
+            acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), _mm512_set1_ps(sv0[j]), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), _mm512_set1_ps(sv1[j]), acc1);
+        }
+        y[r] = _mm512_reduce_add_ps(acc0) - z0;
+        if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
+    }
+}
+
+static void q8_t1_512(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                      const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q8_T1_512(G_) lowbit_t1_512(8, x, xs, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q8_T1_512)
+}
+static void q4_t1_512(const float* x, const float* xs, const uint8_t* codes, const uint16_t* scales,
+                      const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q4_T1_512(G_) lowbit_t1_512(4, x, xs, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q4_T1_512)
+}
+
+int t1_avx512(int kind, const float* x, const float* xs, const void* w, const uint16_t* scales,
+              const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+    switch (kind) {
+        case KIND_BF16:
+            if (!bf16_exact(x, C)) return 1;
+            bf16_t1_512(x, (const uint16_t*)w, C, y, r0, r1);
+            return 0;
+        case KIND_Q8: q8_t1_512(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+        case KIND_Q4: q4_t1_512(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
+        default: return 1;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* int8 activations, VNNI. A group's integer dots: 64 columns per zmm, then 32 (ymm) and 16 (xmm). */
+static inline __attribute__((always_inline)) __m512i dot_fold(__m512i a512, __m256i a256, __m128i a128) {
+    __m256i t = _mm256_add_epi32(a256, _mm256_zextsi128_si256(a128));
+    return _mm512_add_epi32(a512, _mm512_zextsi256_si512(t));
+}
+
+/* q4 codes, four rows: 64 columns are 32 bytes [blk0, blk1]; each block's 16 bytes go to two
+ * 128-bit lanes, the second shifted by 4 (vpsrlvq), masked to nibbles: lanes in column order. */
+static inline __attribute__((always_inline)) void q4_a8_512_g(const int8_t* xq, const float* d, const float* qsum,
+        const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0,
+        i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C / 2;
+    const __m512i m15 = _mm512_set1_epi8(15), sh = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    const __m256i m15y = _mm256_set1_epi8(15), shy = _mm256_setr_epi64x(0, 0, 4, 4);
+    float sv[4][G];
+    const i64 ahead = pf_ahead(rb, 4);
+    for (i64 r = r0; r < r1; r += 4) {
+        const uint8_t* b[4];
+        float zt[4];
+        __m512 acc[4];
+        for (int i = 0; i < 4; i++) {
+            const i64 ri = r + i < r1 ? r + i : r1 - 1;
+            b[i] = codes + ri * rb;
+            zt[i] = row_prep(scales + ri * G, zeros + ri * G, d, qsum, 0.0f, G, sv[i]);
+            acc[i] = _mm512_setzero_ps();
+        }
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m512i s5[4];
+            __m256i s2[4];
+            __m128i s1[4];
+            for (int i = 0; i < 4; i++) {
+                s5[i] = _mm512_setzero_si512();
+                s2[i] = _mm256_setzero_si256();
+                s1[i] = _mm_setzero_si128();
+            }
+            i64 k = k0;
+            if (((k0 / 2) & 63) == 0)
+                for (int i = 0; i < 4; i++) pf_span(b[i] + k0 / 2 + ahead, g / 2);
+            for (; k + 64 <= k1; k += 64) {
+                const __m512i q = _mm512_loadu_si512(xq + k);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b[i] + k / 2)));
+                    const __m512i v = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(c, c, 0x50), sh), m15);
+                    s5[i] = _mm512_dpbusd_epi32(s5[i], v, q);
+                }
+            }
+            if (k + 32 <= k1) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                for (int i = 0; i < 4; i++) {
+                    const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(b[i] + k / 2)));
+                    s2[i] = _mm256_dpbusd_epi32(s2[i], _mm256_and_si256(_mm256_srlv_epi64(c, shy), m15y), q);
+                }
+                k += 32;
+            }
+            if (k < k1) {  /* the last 16 columns of a row: byte i = code i | code i + 8 << 4 */
+                const __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
+                for (int i = 0; i < 4; i++) {
+                    const __m128i bb = _mm_loadl_epi64((const __m128i*)(b[i] + k / 2));
+                    const __m128i c = _mm_and_si128(_mm_unpacklo_epi64(bb, _mm_srli_epi16(bb, 4)), _mm_set1_epi8(15));
+                    s1[i] = _mm_dpbusd_epi32(s1[i], c, q);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fold(s5[i], s2[i], s1[i])), _mm512_set1_ps(sv[i][j]),
+                                         acc[i]);
+        }
+        for (int i = 0; i < 4 && r + i < r1; i++) y[r + i] = _mm512_reduce_add_ps(acc[i]) - zt[i];
+    }
+}
+
+/* q8 codes, two rows: the codes are vpdpbusd's unsigned operand as they are (no bias). */
+static inline __attribute__((always_inline)) void q8_a8_512_g(const int8_t* xq, const float* d, const float* qsum,
+        const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0,
+        i64 r1) {
+    const i64 G = (C + g - 1) / g, rb = C;
+    float sv0[G], sv1[G];
+    const i64 ahead = pf_ahead(rb, 2);
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
+        const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
+        const float z0 = row_prep(scales + r * G, zeros + r * G, d, qsum, 0.0f, G, sv0);
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, d, qsum, 0.0f, G, sv1);
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+        for (i64 j = 0; j < G; j++) {
+            const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
+            __m512i i0 = _mm512_setzero_si512(), i1 = i0;
+            __m256i h0 = _mm256_setzero_si256(), h1 = h0;
+            __m128i l0 = _mm_setzero_si128(), l1 = l0;
+            i64 k = k0;
+            pf_span(b0 + k0 + ahead, g);
+            pf_span(b1 + k0 + ahead, g);
+            for (; k + 64 <= k1; k += 64) {
+                const __m512i q = _mm512_loadu_si512(xq + k);
+                i0 = _mm512_dpbusd_epi32(i0, _mm512_loadu_si512(b0 + k), q);
+                i1 = _mm512_dpbusd_epi32(i1, _mm512_loadu_si512(b1 + k), q);
+            }
+            if (k + 32 <= k1) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(xq + k));
+                h0 = _mm256_dpbusd_epi32(h0, _mm256_loadu_si256((const __m256i*)(b0 + k)), q);
+                h1 = _mm256_dpbusd_epi32(h1, _mm256_loadu_si256((const __m256i*)(b1 + k)), q);
+                k += 32;
+            }
+            if (k < k1) {
+                const __m128i q = _mm_loadu_si128((const __m128i*)(xq + k));
+                l0 = _mm_dpbusd_epi32(l0, _mm_loadu_si128((const __m128i*)(b0 + k)), q);
+                l1 = _mm_dpbusd_epi32(l1, _mm_loadu_si128((const __m128i*)(b1 + k)), q);
+            }
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fold(i0, h0, l0)), _mm512_set1_ps(sv0[j]), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fold(i1, h1, l1)), _mm512_set1_ps(sv1[j]), acc1);
+        }
+        y[r] = _mm512_reduce_add_ps(acc0) - z0;
+        if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
+    }
+}
+
+static void q4_a8_512(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                      const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q4_A8_512(G_) q4_a8_512_g(xq, d, qsum, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q4_A8_512)
+}
+static void q8_a8_512(const int8_t* xq, const float* d, const float* qsum, const uint8_t* codes,
+                      const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1) {
+#define Q8_A8_512(G_) q8_a8_512_g(xq, d, qsum, codes, scales, zeros, C, G_, y, r0, r1)
+    CASE_G(Q8_A8_512)
+}
+
+/* linear_a8 (a8.c) in AVX-512: tokens one by one over each block of 8 rows (a block's codes are
+ * read from memory once). */
+int a8_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T, const uint8_t* codes,
+              const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1) {
+    const i64 G = (C + g - 1) / g;
+    if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
+    for (i64 r = r0; r < r1; r += 8) {
+        const i64 re = r + 8 < r1 ? r + 8 : r1;
+        prefetch_scales(scales, zeros, G, r + 8 * PF_BLOCKS, 8, r1);
+        for (i64 t = 0; t < T; t++) {
+            if (kind == KIND_Q4)
+                q4_a8_512(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+            else
+                q8_a8_512(xq + t * C, d + t * G, qsum + t * G, codes, scales, zeros, C, g, y + t * ldy, r, re);
+        }
+    }
+    return 0;
+}
+
+#pragma GCC pop_options
