@@ -99,7 +99,7 @@ def test_a_prefetch_compute_waits_for_goes_with_the_demand_reads(store):
     early = engine.submit(slots[1], on_disk.expert(layer, 1), 1, prefetch=True)
     late = engine.submit(slots[2], on_disk.expert(layer, 2), 2, prefetch=True)
     other = engine.submit(slots[3], on_disk.expert(layer, 3), 3)
-    engine._promote(late)  # what wait(late) does before it blocks
+    engine.promote(late)  # what wait(late) does before it blocks
     gate.set()
     for t in (first, late, other, early):  # early last: waiting for it would promote it too
         engine.wait(t)
@@ -107,3 +107,45 @@ def test_a_prefetch_compute_waits_for_goes_with_the_demand_reads(store):
     # the waited prefetch keeps its place among the demand reads (it was queued before `other`)
     assert order == [(layer, 0), (layer, 2), (layer, 3), (layer, 1)]
     assert torch.equal(slots[2], ram.expert(layer, 2))
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_kept_prefetch_is_read_before_the_layers_demand_misses(tiny_models, tmp_path, promote):
+    from moespec.runtime.stats import LayerStats
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    om = load_offloaded(folder, RuntimeConfig(host_memory_bytes=8 * 8192, predictor=Predictor.ROUTER), StatsRecorder())
+    cache, ledger = om.cache, om.ledger
+    ledger.promote_kept = promote
+    engine = cache.engine
+    first, nxt = om.store.moe_layers[:2]
+    gate, order = threading.Event(), []
+
+    def fault(row):
+        order.append(row.key)
+        gate.wait()
+
+    engine.fault = fault
+    try:
+        cache.begin_visit(first)
+        running = cache.acquire((first, 0))  # layer `first`'s demand read holds the disk (blocked)
+        while not cache.ticket(running.slot).started:
+            pass
+        stats = LayerStats()
+        ledger.issue(nxt, [2, 3], stats)  # layer `nxt` predicted to use experts 2 and 3: prefetch reads
+        kept = ledger.settle(nxt, {3, 5}, stats)  # it needs 3 (kept) and 5 (a miss); 2 is cancelled
+        cache.begin_visit(nxt)
+        miss = cache.acquire((nxt, 5))
+        gate.set()
+        for slot in [running.slot] + kept + [miss.slot]:
+            cache.wait(slot)
+        engine.synchronize()
+        assert stats.prefetch_cancelled == 1 and len(kept) == 1
+        # promoted: the kept row goes first, in its queue place; else behind the demand miss
+        expect = [(first, 0), (nxt, 3), (nxt, 5)] if promote else [(first, 0), (nxt, 5), (nxt, 3)]
+        assert order == expect
+    finally:
+        gate.set()
+        engine.fault = None
+        om.close()

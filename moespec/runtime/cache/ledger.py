@@ -3,9 +3,11 @@
 While layer l runs, its prediction of layer l' (the next MoE layer) pins slots: resident predicted
 experts where they are, the others copied into the slots a miss would take (slots.py's rule).
 When l' runs, the ledger settles them against what l' needs: a pin l' needs is **kept** (the
-stream pins it again, then lets this one go); a copy that has not started is **cancelled** (no
-bytes moved: counted as cancelled, not prefetched, its bytes taken off); any other is released,
-and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
+stream pins it again, then lets this one go) and what of its copy has not started is **promoted**
+to go with the demand copies, ahead of the layer's misses (ExpertCache.promote: on the disk reader,
+prefetch reads otherwise wait until every demand read is done, and compute then waits for them
+last); a copy that has not started is **cancelled** (no bytes moved: counted as cancelled, not
+prefetched, its bytes taken off); any other is released, and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
 l' (an exception, a stopped generation) **drops** what is left. The runtime's layer runner and the
 policy replay (replay.py) both go through here.
 """
@@ -31,10 +33,12 @@ class PrefetchLedger:
 
     Args:
         cache: the expert cache whose slots are pinned.
+        promote_kept: promote a kept pin's copy (module docstring); False only to measure without it.
     """
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: ExpertCache, promote_kept: bool = True) -> None:
         self.cache = cache
+        self.promote_kept = promote_kept
         self._pins: dict[int, list[int]] = {}
 
     def held(self) -> dict[int, list[int]]:
@@ -68,7 +72,8 @@ class PrefetchLedger:
 
     def settle(self, layer: int, needed, stats: LayerStats) -> list[int] | None:
         """``layer`` is about to run with the experts ``needed`` (a container of ids): returns the pins
-        it needs (hand them to ``stream``, stream.py), or None when nothing was predicted for it.
+        it needs (hand them to ``stream``, stream.py; their copies promoted), or None when nothing was
+        predicted for it.
 
         Every other pin is let go: a copy not started is cancelled (``stats``: prefetched - 1,
         prefetch_cancelled + 1, its bytes off h2d_bytes), one that ran and was never used is
@@ -83,6 +88,8 @@ class PrefetchLedger:
             key = cache.key_of(slot)
             if key is not None and key[1] in needed:
                 kept.append(slot)
+                if self.promote_kept:
+                    cache.promote(slot)
                 continue
             if cache.cancel_prefetch(slot):
                 # The copy never started: no bytes moved, the slot is free again.

@@ -369,6 +369,13 @@ class ExpertCache:
             self._by_layer.setdefault(back[0], set()).add(back[1])
         return True
 
+    def promote(self, slot: int) -> None:
+        """The running layer needs the prefetch copy into ``slot`` (its ledger kept it): what of the copy
+        has not started goes with the demand copies, ahead of the layer's misses (TransferEngine.promote)."""
+        ticket = self._slot[slot].ticket
+        if ticket is not None and ticket.prefetch:
+            self.engine.promote(ticket)
+
     def mark_unused(self, slot: int) -> bool:
         """A prefetch copy whose target layer ran without it becomes UNUSED (the next copy's slot);
         True when ``slot`` held such a copy (a wasted prediction), False otherwise."""

@@ -281,7 +281,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
         if ticket.prefetch and not ticket.done.is_set():
-            self._promote(ticket)
+            self.promote(ticket)
         ticket.done.wait()
         ticket.waited = True
         with self._cv:
@@ -290,8 +290,11 @@ class DiskReadEngine(CopyQueue, TransferEngine):
             raise CheckpointError(error, "run the request again; if it persists, restart moespec to rebuild the file")
         return Span(t0, time.perf_counter())
 
-    def _promote(self, ticket: Ticket) -> None:
-        """Compute waits for ``ticket``: its chunks still queued go with the demand reads."""
+    def promote(self, ticket: Ticket) -> None:
+        """Compute needs ``ticket`` (its layer settled it, or waits for it): its chunks still queued go
+        with the demand reads, in their first queue place (so before the layer's demand misses)."""
+        if ticket.done.is_set():
+            return
         with self._cv:
             heap = self._heap
             for i, (priority, seq, job) in enumerate(heap):
