@@ -10,7 +10,8 @@ experts on disk, decodes greedily from a fixed random prompt and prints one JSON
 disk tier's numbers, peak RSS). ``reader`` reads random rows of the model's store file with the
 disk tier's reader and ``--inflight`` reads in flight, nothing else running: the O_DIRECT GB/s the
 disk floor divides by. Run each arm in its own process under scripts/memcap.sh with the page cache
-dropped before it (scripts/disk_tier_bench.sh does both).
+dropped before it (scripts/disk_hold.sh does both). ``accelerate-prep`` writes accelerate's offload folder
+once; ``accelerate`` decodes with accelerate's disk offload from it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         __import__("sys").setswitchinterval(tune["switch_ms"] / 1e3)
     if tune.get("torch_threads"):
         torch.set_num_threads(tune["torch_threads"])
+    om.ledger.promote_kept = tune.get("kept_promote", True)
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
@@ -143,13 +145,64 @@ def summary_per_token(om, field: str) -> float:
     return sum(getattr(ls, field) for s in steps for ls in s.layers.values()) / max(len(steps), 1)
 
 
-def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, prompt_len: int) -> None:
-    """transformers + accelerate's disk offload (device_map auto, max_memory, offload_folder): greedy decode, TPOT."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+def _offload_map(cfg) -> dict:
+    """accelerate's device map of the slice: every layer's fused experts on "disk", the rest on the CPU."""
+    dm = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        dm.update({p + part: "cpu" for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate")})
+        dm[p + "mlp.experts"] = "disk"
+    return dm
+
+
+def accelerate_prep(folder: Path, offload: Path) -> None:
+    """The offload folder accelerate reads from, written once (outside any cap): each layer's experts
+    fused as transformers 5 holds them (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]),
+    one safetensors file per tensor, and index.json (accelerate's offload index). One layer in RAM."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    offload.mkdir(parents=True, exist_ok=True)
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    index = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        with safe_open(folder / weight_map[p + "0.gate_proj.weight"], framework="pt") as f:
+            E = cfg.num_experts
+            gate_up = torch.stack([torch.cat([f.get_tensor(f"{p}{e}.gate_proj.weight"),
+                                              f.get_tensor(f"{p}{e}.up_proj.weight")]) for e in range(E)])  # [E, 2I, H]
+            down = torch.stack([f.get_tensor(f"{p}{e}.down_proj.weight") for e in range(E)])  # [E, H, I]
+        for name, t in ((p + "gate_up_proj", gate_up), (p + "down_proj", down)):
+            path = offload / f"{name}.safetensors"
+            save_file({name: t}, path)
+            index[name] = {"safetensors_file": str(path), "weight_name": name, "dtype": "bfloat16"}
+        del gate_up, down
+    (offload / "index.json").write_text(json.dumps(index))
+    print(json.dumps({"accelerate_offload": str(offload), "tensors": len(index)}))
+
+
+def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) -> None:
+    """transformers + accelerate's disk offload (dispatch_model, experts "disk", the offload folder of
+    ``accelerate-prep``): every forward reads each layer's E experts in full. Greedy decode, TPOT."""
+    from accelerate import dispatch_model, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": cpu_memory},
-                                                 offload_folder=str(offload), dtype=torch.bfloat16)
+    cfg = AutoConfig.from_pretrained(folder)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    for shard in sorted(folder.glob("model-*.safetensors")):  # the dense part into RAM, the experts stay on disk
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                if ".mlp.experts." not in key:
+                    set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key))
+    index = json.loads((offload / "index.json").read_text())
+    model = dispatch_model(model, device_map=_offload_map(cfg), offload_dir=str(offload), offload_index=index)
+    model.eval()
     load_s = time.perf_counter() - t0
     ids = torch.tensor([random.Random(1).choices(range(model.config.vocab_size), k=prompt_len)])
     times = []
@@ -161,9 +214,9 @@ def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, pr
             t = time.perf_counter()
             out = model(nxt, past_key_values=kv, use_cache=True)
             times.append(time.perf_counter() - t)
-    print(json.dumps({"arm": "accelerate offload_folder", "load_s": round(load_s, 2),
-                      "tpot_ms": round(1e3 * sum(times) / len(times), 1),
-                      "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+    print(json.dumps({"predictor": "accelerate", "arm": "accelerate offload (dispatch_model, experts on disk)",
+                      "load_s": round(load_s, 2), "tpot_ms": round(1e3 * sum(times) / len(times), 1),
+                      "tokens": tokens, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
 def reader(folder: Path, inflight: int, seconds: float) -> None:
@@ -223,10 +276,13 @@ def main() -> None:
     a.add_argument("--prefetch-beside", type=int, help="DiskReadEngine.prefetch_beside")
     a.add_argument("--switch-ms", type=float, help="sys.setswitchinterval (the GIL's hand-over), ms")
     a.add_argument("--torch-threads", type=int)
+    a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
+    hp = sub.add_parser("accelerate-prep")
+    hp.add_argument("folder", type=Path)
+    hp.add_argument("--offload", type=Path, required=True)
     h = sub.add_parser("accelerate")
     h.add_argument("folder", type=Path)
-    h.add_argument("--cpu-memory", default="1GiB")
-    h.add_argument("--offload", type=Path, required=True)
+    h.add_argument("--offload", type=Path, required=True, help="written by accelerate-prep")
     h.add_argument("--tokens", type=int, default=2)
     h.add_argument("--prompt-len", type=int, default=8)
     r = sub.add_parser("reader")
@@ -239,9 +295,11 @@ def main() -> None:
     elif args.cmd == "arm":
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
-             "torch_threads": args.torch_threads})
+             "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote})
+    elif args.cmd == "accelerate-prep":
+        accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":
-        accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
+        accelerate_arm(args.folder, args.offload, args.tokens, args.prompt_len)
     else:
         reader(args.folder, args.inflight, args.seconds)
 
