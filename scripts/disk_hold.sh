@@ -8,7 +8,8 @@
 #   python scripts/disk_hold_table.py OUT.jsonl     (the table: TPOT, floor, shares, peaks)
 #
 # Arms: reader (the store file read alone, 8 reads in flight: the O_DIRECT GB/s of the disk floor),
-# router (router prefetch), router-np (the same without promoting kept prefetches), none (on-demand
+# router (router prefetch), router-np / router-nc (the same without promoting kept prefetches /
+# without cutting started wrong ones), none (on-demand
 # reads), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
 # + accelerate's disk offload of the experts; its folder written once by
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
@@ -45,11 +46,12 @@ arm_args() {  # the bench's arguments of arm $1
     reader) echo reader "$MODEL" --inflight 8 --seconds 5 ;;
     router) echo arm "$MODEL" --predictor router "${common[@]}" ;;
     router-np) echo arm "$MODEL" --predictor router --no-kept-promote "${common[@]}" ;;
+    router-nc) echo arm "$MODEL" --predictor router --no-cut "${common[@]}" ;;
     none) echo arm "$MODEL" --predictor none "${common[@]}" ;;
     mmap) echo arm "$MODEL" --predictor none --host-memory "$MMAP_ROWS" --disk-reads mmap --tokens "$TOKENS" \
             --embed-scale "$SCALE" ;;
     accelerate) echo accelerate "$MODEL" --offload "$OFFLOAD" --tokens "$ACC_TOKENS" ;;
-    *) echo "error: unknown arm $1 (reader router router-np none mmap accelerate)" >&2; return 2 ;;
+    *) echo "error: unknown arm $1 (reader router router-np router-nc none mmap accelerate)" >&2; return 2 ;;
   esac
 }
 

@@ -109,6 +109,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     if tune.get("torch_threads"):
         torch.set_num_threads(tune["torch_threads"])
     om.ledger.promote_kept = tune.get("kept_promote", True)
+    om.ledger.cut_started = tune.get("cut", True)
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
@@ -135,6 +136,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
+                      "cut_reads": getattr(engine, "cut_reads", None),
                       "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
@@ -277,6 +279,7 @@ def main() -> None:
     a.add_argument("--switch-ms", type=float, help="sys.setswitchinterval (the GIL's hand-over), ms")
     a.add_argument("--torch-threads", type=int)
     a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
+    a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
     hp = sub.add_parser("accelerate-prep")
     hp.add_argument("folder", type=Path)
     hp.add_argument("--offload", type=Path, required=True)
@@ -295,7 +298,8 @@ def main() -> None:
     elif args.cmd == "arm":
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
-             "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote})
+             "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
+             "cut": not args.no_cut})
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":

@@ -7,7 +7,9 @@ stream pins it again, then lets this one go) and what of its copy has not starte
 to go with the demand copies, ahead of the layer's misses (ExpertCache.promote: on the disk reader,
 prefetch reads otherwise wait until every demand read is done, and compute then waits for them
 last); a copy that has not started is **cancelled** (no bytes moved: counted as cancelled, not
-prefetched, its bytes taken off); any other is released, and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
+prefetched, its bytes taken off); one that started is **cut** (its parts not started dropped,
+ExpertCache.cut_prefetch: wasted, the bytes not read taken off, its slot empty); any other is
+released, and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
 l' (an exception, a stopped generation) **drops** what is left. The runtime's layer runner and the
 policy replay (replay.py) both go through here.
 """
@@ -34,11 +36,13 @@ class PrefetchLedger:
     Args:
         cache: the expert cache whose slots are pinned.
         promote_kept: promote a kept pin's copy (module docstring); False only to measure without it.
+        cut_started: cut a started copy the layer does not need (module docstring); False: to measure.
     """
 
-    def __init__(self, cache: ExpertCache, promote_kept: bool = True) -> None:
+    def __init__(self, cache: ExpertCache, promote_kept: bool = True, cut_started: bool = True) -> None:
         self.cache = cache
         self.promote_kept = promote_kept
+        self.cut_started = cut_started
         self._pins: dict[int, list[int]] = {}
 
     def held(self) -> dict[int, list[int]]:
@@ -76,8 +80,8 @@ class PrefetchLedger:
         predicted for it.
 
         Every other pin is let go: a copy not started is cancelled (``stats``: prefetched - 1,
-        prefetch_cancelled + 1, its bytes off h2d_bytes), one that ran and was never used is
-        counted in ``prefetch_wasted``.
+        prefetch_cancelled + 1, its bytes off h2d_bytes), one still running is cut (the bytes not
+        read off h2d_bytes) and, like one that ran and was never used, counted in ``prefetch_wasted``.
         """
         pins = self._pins.pop(layer, None)
         if pins is None:
@@ -96,6 +100,9 @@ class PrefetchLedger:
                 stats.prefetched -= 1
                 stats.prefetch_cancelled += 1
                 stats.h2d_bytes -= cache.copy_bytes(layer)
+            elif saved := (cache.cut_prefetch(slot) if self.cut_started else 0):
+                stats.prefetch_wasted += 1  # it moved bytes; the rest of them never will
+                stats.h2d_bytes -= saved
             elif cache.mark_unused(slot):
                 stats.prefetch_wasted += 1
             cache.release(slot)
