@@ -18,11 +18,15 @@ from pathlib import Path
 
 
 def rows_by_hold(path: Path) -> dict[str, dict[str, dict]]:
-    """hold -> arm -> its JSON line (the last one, where an arm ran twice)."""
+    """hold -> arm -> its JSON line (the last one, where an arm ran twice; the reader's GB/s is the
+    mean of its runs in the hold, e.g. one at each end, with each run in ``gbps_runs``)."""
     out: dict[str, dict[str, dict]] = defaultdict(dict)
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
+            if row["arm"] == "reader" and "gbps" in row:
+                runs = out[row["hold"]].get("reader", {}).get("gbps_runs", []) + [row["gbps"]]
+                row = {**row, "gbps_runs": runs, "gbps": round(sum(runs) / len(runs), 3)}
             out[row["hold"]][row["arm"]] = row
     return dict(out)
 
@@ -64,7 +68,9 @@ def render(holds: dict[str, dict[str, dict]]) -> str:
         table = numbers(arms)
         rounds = sorted({r["round"] for r in table.values()})
         cap = next(iter(table.values()))["cap_mib"]
-        lines.append(f"hold {hold} (round {', '.join(map(str, rounds))}; cap {cap} MiB; peak MiB; ms)")
+        runs = arms.get("reader", {}).get("gbps_runs", [])
+        lines.append(f"hold {hold} (round {', '.join(map(str, rounds))}; cap {cap} MiB; peak MiB; ms; reader "
+                     f"GB/s {' '.join(map(str, runs)) or '-'})")
         lines.append(" ".join(name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w) in enumerate(cols)))
         for name, n in table.items():
             vals = [n["tpot_ms"], n["mb_per_token"], n["gbps"], n["reader_share"], n["floor_ms"], n["x_floor"],
