@@ -85,7 +85,7 @@ def structure_routing(om, scale: float) -> None:
 
 
 def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str,
-        embed_scale: float = 1.0, tune: dict | None = None) -> None:
+        embed_scale: float = 1.0, tune: dict | None = None, expert_dtype: str = "auto") -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -94,7 +94,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
 
     t0 = time.perf_counter()
     host = None if host_memory == "auto" else parse_bytes(host_memory)  # auto: the loader's default (disk_tier.py)
-    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads)
+    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads,
+                        expert_dtype=expert_dtype)
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     structure_routing(om, embed_scale)
@@ -129,7 +130,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     decode = {"decode_disk_gbps": round(nbytes / busy_s / 1e9, 3) if busy_s > 0 else None,
               "decode_disk_busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
               "decode_disk_mb_per_token": round(nbytes / 1e6 / max(len(out) - 1, 1), 1)}
-    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
+    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads,
+                      "expert_dtype": expert_dtype, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
                       **decode, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
@@ -221,13 +223,15 @@ def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) ->
                       "tokens": tokens, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
-def reader(folder: Path, inflight: int, seconds: float) -> None:
+def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "auto") -> None:
     from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
     from moespec.runtime.transfer.disk import DiskReadEngine
     from moespec.artifacts import model_key, sanitize_model_id
     from moespec.paths import moespec_home
 
-    (path,) = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
+    files = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
+    quantised = expert_dtype.startswith("int")  # the store the arms of this dtype read (rows-int8-g64..., rows-<layout>-bfloat16)
+    (path,) = [f for f in files if f.name.startswith(f"rows-{expert_dtype}-") or (not quantised and "-int" not in f.name)]
     with open(path, "rb") as fh:  # the file's own header: the bench reads whatever the loader wrote
         head = fh.read(24)
         meta = json.loads(fh.read(int.from_bytes(head[16:24], "little")))["meta"]
@@ -273,6 +277,7 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--prompt-len", type=int, default=8)
     a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
+    a.add_argument("--expert-dtype", default="auto", help="auto (the checkpoint's bf16), int8, int4: the store's rows")
     a.add_argument("--embed-scale", type=float, default=1.0, help="structured routing (structure_routing)")
     a.add_argument("--chunk-mib", type=float, help="the reader's chunk (DiskReadEngine.chunk_bytes)")
     a.add_argument("--prefetch-beside", type=int, help="DiskReadEngine.prefetch_beside")
@@ -292,6 +297,7 @@ def main() -> None:
     r.add_argument("folder", type=Path)
     r.add_argument("--inflight", type=int, default=8)
     r.add_argument("--seconds", type=float, default=6.0)
+    r.add_argument("--expert-dtype", default="auto", help="which store file: the one the arms of this dtype read")
     args = ap.parse_args()
     if args.cmd == "make":
         make(args.folder, args.layers, args.vocab)
@@ -299,13 +305,13 @@ def main() -> None:
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
              "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
-             "cut": not args.no_cut})
+             "cut": not args.no_cut}, args.expert_dtype)
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":
         accelerate_arm(args.folder, args.offload, args.tokens, args.prompt_len)
     else:
-        reader(args.folder, args.inflight, args.seconds)
+        reader(args.folder, args.inflight, args.seconds, args.expert_dtype)
 
 
 if __name__ == "__main__":
