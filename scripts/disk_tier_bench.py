@@ -137,6 +137,9 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
                       **decode, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
+                      # a prefetch never evicts what would hit: hits not from a prefetch vs on-demand's hits
+                      "hits_per_token": round(summary_per_token(om, "hits"), 2),
+                      "prefetch_used_per_token": round(summary_per_token(om, "prefetch_used"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
                       "cut_reads": getattr(engine, "cut_reads", None),
                       "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
