@@ -10,7 +10,8 @@ experts on disk, decodes greedily from a fixed random prompt and prints one JSON
 disk tier's numbers, peak RSS). ``reader`` reads random rows of the model's store file with the
 disk tier's reader and ``--inflight`` reads in flight, nothing else running: the O_DIRECT GB/s the
 disk floor divides by. Run each arm in its own process under scripts/memcap.sh with the page cache
-dropped before it (scripts/disk_tier_bench.sh does both).
+dropped before it (scripts/disk_hold.sh does both). ``accelerate-prep`` writes accelerate's offload folder
+once; ``accelerate`` decodes with accelerate's disk offload from it.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def structure_routing(om, scale: float) -> None:
 
 
 def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str,
-        embed_scale: float = 1.0, tune: dict | None = None) -> None:
+        embed_scale: float = 1.0, tune: dict | None = None, expert_dtype: str = "auto") -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -93,7 +94,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
 
     t0 = time.perf_counter()
     host = None if host_memory == "auto" else parse_bytes(host_memory)  # auto: the loader's default (disk_tier.py)
-    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads)
+    cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads,
+                        expert_dtype=expert_dtype)
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     structure_routing(om, embed_scale)
@@ -107,6 +109,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         __import__("sys").setswitchinterval(tune["switch_ms"] / 1e3)
     if tune.get("torch_threads"):
         torch.set_num_threads(tune["torch_threads"])
+    om.ledger.promote_kept = tune.get("kept_promote", True)
+    om.ledger.cut_started = tune.get("cut", True)
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
@@ -126,13 +130,18 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     decode = {"decode_disk_gbps": round(nbytes / busy_s / 1e9, 3) if busy_s > 0 else None,
               "decode_disk_busy_share": round(busy_s / wall_s, 3) if wall_s > 0 else None,
               "decode_disk_mb_per_token": round(nbytes / 1e6 / max(len(out) - 1, 1), 1)}
-    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads, "load_s": round(load_s, 2),
+    print(json.dumps({"predictor": predictor, "host_memory": host_memory, "reads_via": disk_reads,
+                      "expert_dtype": expert_dtype, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
                       **decode, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
+                      # a prefetch never evicts what would hit: hits not from a prefetch vs on-demand's hits
+                      "hits_per_token": round(summary_per_token(om, "hits"), 2),
+                      "prefetch_used_per_token": round(summary_per_token(om, "prefetch_used"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
+                      "cut_reads": getattr(engine, "cut_reads", None),
                       "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
@@ -143,13 +152,64 @@ def summary_per_token(om, field: str) -> float:
     return sum(getattr(ls, field) for s in steps for ls in s.layers.values()) / max(len(steps), 1)
 
 
-def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, prompt_len: int) -> None:
-    """transformers + accelerate's disk offload (device_map auto, max_memory, offload_folder): greedy decode, TPOT."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+def _offload_map(cfg) -> dict:
+    """accelerate's device map of the slice: every layer's fused experts on "disk", the rest on the CPU."""
+    dm = {name: "cpu" for name in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        dm.update({p + part: "cpu" for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate")})
+        dm[p + "mlp.experts"] = "disk"
+    return dm
+
+
+def accelerate_prep(folder: Path, offload: Path) -> None:
+    """The offload folder accelerate reads from, written once (outside any cap): each layer's experts
+    fused as transformers 5 holds them (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]),
+    one safetensors file per tensor, and index.json (accelerate's offload index). One layer in RAM."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    offload.mkdir(parents=True, exist_ok=True)
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    index = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        with safe_open(folder / weight_map[p + "0.gate_proj.weight"], framework="pt") as f:
+            E = cfg.num_experts
+            gate_up = torch.stack([torch.cat([f.get_tensor(f"{p}{e}.gate_proj.weight"),
+                                              f.get_tensor(f"{p}{e}.up_proj.weight")]) for e in range(E)])  # [E, 2I, H]
+            down = torch.stack([f.get_tensor(f"{p}{e}.down_proj.weight") for e in range(E)])  # [E, H, I]
+        for name, t in ((p + "gate_up_proj", gate_up), (p + "down_proj", down)):
+            path = offload / f"{name}.safetensors"
+            save_file({name: t}, path)
+            index[name] = {"safetensors_file": str(path), "weight_name": name, "dtype": "bfloat16"}
+        del gate_up, down
+    (offload / "index.json").write_text(json.dumps(index))
+    print(json.dumps({"accelerate_offload": str(offload), "tensors": len(index)}))
+
+
+def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) -> None:
+    """transformers + accelerate's disk offload (dispatch_model, experts "disk", the offload folder of
+    ``accelerate-prep``): every forward reads each layer's E experts in full. Greedy decode, TPOT."""
+    from accelerate import dispatch_model, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": cpu_memory},
-                                                 offload_folder=str(offload), dtype=torch.bfloat16)
+    cfg = AutoConfig.from_pretrained(folder)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    for shard in sorted(folder.glob("model-*.safetensors")):  # the dense part into RAM, the experts stay on disk
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                if ".mlp.experts." not in key:
+                    set_module_tensor_to_device(model, key, "cpu", value=f.get_tensor(key))
+    index = json.loads((offload / "index.json").read_text())
+    model = dispatch_model(model, device_map=_offload_map(cfg), offload_dir=str(offload), offload_index=index)
+    model.eval()
     load_s = time.perf_counter() - t0
     ids = torch.tensor([random.Random(1).choices(range(model.config.vocab_size), k=prompt_len)])
     times = []
@@ -161,18 +221,20 @@ def accelerate_arm(folder: Path, cpu_memory: str, offload: Path, tokens: int, pr
             t = time.perf_counter()
             out = model(nxt, past_key_values=kv, use_cache=True)
             times.append(time.perf_counter() - t)
-    print(json.dumps({"arm": "accelerate offload_folder", "load_s": round(load_s, 2),
-                      "tpot_ms": round(1e3 * sum(times) / len(times), 1),
-                      "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+    print(json.dumps({"predictor": "accelerate", "arm": "accelerate offload (dispatch_model, experts on disk)",
+                      "load_s": round(load_s, 2), "tpot_ms": round(1e3 * sum(times) / len(times), 1),
+                      "tokens": tokens, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
-def reader(folder: Path, inflight: int, seconds: float) -> None:
+def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "auto") -> None:
     from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
     from moespec.runtime.transfer.disk import DiskReadEngine
     from moespec.artifacts import model_key, sanitize_model_id
     from moespec.paths import moespec_home
 
-    (path,) = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
+    files = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
+    quantised = expert_dtype.startswith("int")  # the store the arms of this dtype read (rows-int8-g64..., rows-<layout>-bfloat16)
+    (path,) = [f for f in files if f.name.startswith(f"rows-{expert_dtype}-") or (not quantised and "-int" not in f.name)]
     with open(path, "rb") as fh:  # the file's own header: the bench reads whatever the loader wrote
         head = fh.read(24)
         meta = json.loads(fh.read(int.from_bytes(head[16:24], "little")))["meta"]
@@ -218,32 +280,41 @@ def main() -> None:
     a.add_argument("--tokens", type=int, default=12)
     a.add_argument("--prompt-len", type=int, default=8)
     a.add_argument("--disk-reads", default="direct", choices=["direct", "mmap"])
+    a.add_argument("--expert-dtype", default="auto", help="auto (the checkpoint's bf16), int8, int4: the store's rows")
     a.add_argument("--embed-scale", type=float, default=1.0, help="structured routing (structure_routing)")
     a.add_argument("--chunk-mib", type=float, help="the reader's chunk (DiskReadEngine.chunk_bytes)")
     a.add_argument("--prefetch-beside", type=int, help="DiskReadEngine.prefetch_beside")
     a.add_argument("--switch-ms", type=float, help="sys.setswitchinterval (the GIL's hand-over), ms")
     a.add_argument("--torch-threads", type=int)
+    a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
+    a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
+    hp = sub.add_parser("accelerate-prep")
+    hp.add_argument("folder", type=Path)
+    hp.add_argument("--offload", type=Path, required=True)
     h = sub.add_parser("accelerate")
     h.add_argument("folder", type=Path)
-    h.add_argument("--cpu-memory", default="1GiB")
-    h.add_argument("--offload", type=Path, required=True)
+    h.add_argument("--offload", type=Path, required=True, help="written by accelerate-prep")
     h.add_argument("--tokens", type=int, default=2)
     h.add_argument("--prompt-len", type=int, default=8)
     r = sub.add_parser("reader")
     r.add_argument("folder", type=Path)
     r.add_argument("--inflight", type=int, default=8)
     r.add_argument("--seconds", type=float, default=6.0)
+    r.add_argument("--expert-dtype", default="auto", help="which store file: the one the arms of this dtype read")
     args = ap.parse_args()
     if args.cmd == "make":
         make(args.folder, args.layers, args.vocab)
     elif args.cmd == "arm":
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
-             "torch_threads": args.torch_threads})
+             "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
+             "cut": not args.no_cut}, args.expert_dtype)
+    elif args.cmd == "accelerate-prep":
+        accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":
-        accelerate_arm(args.folder, args.cpu_memory, args.offload, args.tokens, args.prompt_len)
+        accelerate_arm(args.folder, args.offload, args.tokens, args.prompt_len)
     else:
-        reader(args.folder, args.inflight, args.seconds)
+        reader(args.folder, args.inflight, args.seconds, args.expert_dtype)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def test_a_prefetch_compute_waits_for_goes_with_the_demand_reads(store):
     early = engine.submit(slots[1], on_disk.expert(layer, 1), 1, prefetch=True)
     late = engine.submit(slots[2], on_disk.expert(layer, 2), 2, prefetch=True)
     other = engine.submit(slots[3], on_disk.expert(layer, 3), 3)
-    engine._promote(late)  # what wait(late) does before it blocks
+    engine.promote(late)  # what wait(late) does before it blocks
     gate.set()
     for t in (first, late, other, early):  # early last: waiting for it would promote it too
         engine.wait(t)
@@ -107,3 +107,112 @@ def test_a_prefetch_compute_waits_for_goes_with_the_demand_reads(store):
     # the waited prefetch keeps its place among the demand reads (it was queued before `other`)
     assert order == [(layer, 0), (layer, 2), (layer, 3), (layer, 1)]
     assert torch.equal(slots[2], ram.expert(layer, 2))
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_kept_prefetch_is_read_before_the_layers_demand_misses(tiny_models, tmp_path, promote):
+    from moespec.runtime.stats import LayerStats
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    om = load_offloaded(folder, RuntimeConfig(host_memory_bytes=8 * 8192, predictor=Predictor.ROUTER), StatsRecorder())
+    cache, ledger = om.cache, om.ledger
+    ledger.promote_kept = promote
+    engine = cache.engine
+    first, nxt = om.store.moe_layers[:2]
+    gate, order = threading.Event(), []
+
+    def fault(row):
+        order.append(row.key)
+        gate.wait()
+
+    engine.fault = fault
+    try:
+        cache.begin_visit(first)
+        running = cache.acquire((first, 0))  # layer `first`'s demand read holds the disk (blocked)
+        while not cache.ticket(running.slot).started:
+            pass
+        stats = LayerStats()
+        ledger.issue(nxt, [2, 3], stats)  # layer `nxt` predicted to use experts 2 and 3: prefetch reads
+        kept = ledger.settle(nxt, {3, 5}, stats)  # it needs 3 (kept) and 5 (a miss); 2 is cancelled
+        cache.begin_visit(nxt)
+        miss = cache.acquire((nxt, 5))
+        gate.set()
+        for slot in [running.slot] + kept + [miss.slot]:
+            cache.wait(slot)
+        engine.synchronize()
+        assert stats.prefetch_cancelled == 1 and len(kept) == 1
+        # promoted: the kept row goes first, in its queue place; else behind the demand miss
+        expect = [(first, 0), (nxt, 3), (nxt, 5)] if promote else [(first, 0), (nxt, 5), (nxt, 3)]
+        assert order == expect
+    finally:
+        gate.set()
+        engine.fault = None
+        om.close()
+
+
+def test_a_started_read_cut_drops_its_chunks_not_started_and_the_slot_reads_again(store):
+    on_disk, ram = store
+    engine = DiskReadEngine(on_disk.path, readers=1, chunk_bytes=4096)  # a 6 KiB row: two chunks
+    layer = on_disk.moe_layers[0]
+    gate = threading.Event()
+    engine.fault = lambda row: gate.wait() if row.key == (layer, 1) else None  # first chunk of row 1 holds
+    slots = on_disk.slot_rows(1, torch.device("cpu"))  # [1, P]
+    wrong = engine.submit(slots[0], on_disk.expert(layer, 1), 0, prefetch=True)
+    while not wrong.started:
+        pass
+    assert engine.abort(wrong) == 6144 - 4096  # the second chunk's data bytes, never read
+    assert engine.abort(wrong) == 0  # nothing left to drop
+    right = engine.submit(slots[0], on_disk.expert(layer, 2), 0)  # held back until the first chunk ends
+    gate.set()
+    engine.wait(right)
+    engine.synchronize()
+    engine.close()
+    assert wrong.done.is_set() and not engine._errors  # the cut row is not checked, nothing failed
+    assert engine.reads == 1 and engine.cut_reads == 1 and engine.bytes_moved == 4096 + 6144
+    assert torch.equal(slots[0], ram.expert(layer, 2))
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_the_ledger_cuts_a_started_wrong_prefetch_when_its_layer_comes(tiny_models, tmp_path, monkeypatch, cut):
+    from moespec.runtime import disk_tier
+    from moespec.runtime.stats import LayerStats
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    # one reader, 4 KiB chunks: the second chunk of a started row is still queued when its layer comes
+    monkeypatch.setattr(disk_tier, "make_engine", lambda st: DiskReadEngine(st.path, st.forget, readers=1, chunk_bytes=4096))
+    om = load_offloaded(folder, RuntimeConfig(host_memory_bytes=8 * 8192, predictor=Predictor.ROUTER), StatsRecorder())
+    cache, ledger, engine = om.cache, om.ledger, om.cache.engine
+    ledger.cut_started = cut
+    nxt = om.store.moe_layers[1]
+    gate = threading.Event()
+    engine.fault = lambda row: gate.wait() if row.key == (nxt, 2) else None
+    try:
+        stats = LayerStats()
+        ledger.issue(nxt, [2], stats)  # predicted: expert 2; its read starts and holds
+        (slot,) = ledger.held()[nxt]
+        while not cache.ticket(slot).started:
+            pass
+        ledger.settle(nxt, {5}, stats)  # the layer needs 5, not 2
+        cache.begin_visit(nxt)
+        miss = cache.acquire((nxt, 5))
+        gate.set()
+        cache.wait(miss.slot)
+        cache.release(miss.slot)
+        engine.synchronize()
+        assert stats.prefetched == 1 and stats.prefetch_wasted == 1 and stats.prefetch_cancelled == 0
+        row = 6144
+        assert stats.h2d_bytes == (4096 if cut else row)  # the ledger's bytes are the reader's
+        assert engine.bytes_moved == stats.h2d_bytes + row
+        assert cache.resident((nxt, 2)) is not cut  # a cut row is no row: its slot is empty
+        want = cache.row(miss.slot).clone()
+    finally:
+        gate.set()
+        engine.fault = None
+        om.close()
+    ram = load_offloaded(folder, RuntimeConfig(predictor=Predictor.NONE))
+    try:
+        assert torch.equal(want, ram.store.expert(nxt, 5))  # the miss read its own row, whole
+    finally:
+        ram.close()

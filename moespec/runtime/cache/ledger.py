@@ -3,9 +3,13 @@
 While layer l runs, its prediction of layer l' (the next MoE layer) pins slots: resident predicted
 experts where they are, the others copied into the slots a miss would take (slots.py's rule).
 When l' runs, the ledger settles them against what l' needs: a pin l' needs is **kept** (the
-stream pins it again, then lets this one go); a copy that has not started is **cancelled** (no
-bytes moved: counted as cancelled, not prefetched, its bytes taken off); any other is released,
-and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
+stream pins it again, then lets this one go) and what of its copy has not started is **promoted**
+to go with the demand copies, ahead of the layer's misses (ExpertCache.promote: on the disk reader,
+prefetch reads otherwise wait until every demand read is done, and compute then waits for them
+last); a copy that has not started is **cancelled** (no bytes moved: counted as cancelled, not
+prefetched, its bytes taken off); one that started is **cut** (its parts not started dropped,
+ExpertCache.cut_prefetch: wasted, the bytes not read taken off, its slot empty); any other is
+released, and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
 l' (an exception, a stopped generation) **drops** what is left. The runtime's layer runner and the
 policy replay (replay.py) both go through here.
 """
@@ -31,10 +35,14 @@ class PrefetchLedger:
 
     Args:
         cache: the expert cache whose slots are pinned.
+        promote_kept: promote a kept pin's copy (module docstring); False only to measure without it.
+        cut_started: cut a started copy the layer does not need (module docstring); False: to measure.
     """
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: ExpertCache, promote_kept: bool = True, cut_started: bool = True) -> None:
         self.cache = cache
+        self.promote_kept = promote_kept
+        self.cut_started = cut_started
         self._pins: dict[int, list[int]] = {}
 
     def held(self) -> dict[int, list[int]]:
@@ -68,11 +76,12 @@ class PrefetchLedger:
 
     def settle(self, layer: int, needed, stats: LayerStats) -> list[int] | None:
         """``layer`` is about to run with the experts ``needed`` (a container of ids): returns the pins
-        it needs (hand them to ``stream``, stream.py), or None when nothing was predicted for it.
+        it needs (hand them to ``stream``, stream.py; their copies promoted), or None when nothing was
+        predicted for it.
 
         Every other pin is let go: a copy not started is cancelled (``stats``: prefetched - 1,
-        prefetch_cancelled + 1, its bytes off h2d_bytes), one that ran and was never used is
-        counted in ``prefetch_wasted``.
+        prefetch_cancelled + 1, its bytes off h2d_bytes), one still running is cut (the bytes not
+        read off h2d_bytes) and, like one that ran and was never used, counted in ``prefetch_wasted``.
         """
         pins = self._pins.pop(layer, None)
         if pins is None:
@@ -83,12 +92,17 @@ class PrefetchLedger:
             key = cache.key_of(slot)
             if key is not None and key[1] in needed:
                 kept.append(slot)
+                if self.promote_kept:
+                    cache.promote(slot)
                 continue
             if cache.cancel_prefetch(slot):
                 # The copy never started: no bytes moved, the slot is free again.
                 stats.prefetched -= 1
                 stats.prefetch_cancelled += 1
                 stats.h2d_bytes -= cache.copy_bytes(layer)
+            elif saved := (cache.cut_prefetch(slot) if self.cut_started else 0):
+                stats.prefetch_wasted += 1  # it moved bytes; the rest of them never will
+                stats.h2d_bytes -= saved
             elif cache.mark_unused(slot):
                 stats.prefetch_wasted += 1
             cache.release(slot)

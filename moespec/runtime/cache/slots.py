@@ -369,6 +369,30 @@ class ExpertCache:
             self._by_layer.setdefault(back[0], set()).add(back[1])
         return True
 
+    def cut_prefetch(self, slot: int) -> int:
+        """Stop the started prefetch copy into ``slot``, which its target layer ran without: its parts
+        not started are dropped (TransferEngine.abort). Returns the bytes not moved (0: nothing was
+        dropped, the copy runs to its end). Then the slot is empty (part of a row is no row; the
+        expert it displaced is gone too), first in the eviction order once released; its ticket stays,
+        so no prefetch takes it while the running part writes. The caller still releases its pin."""
+        rec = self._slot[slot]
+        ticket = rec.ticket
+        if ticket is None or rec.state is not PREDICTED or self.engine.landed(ticket):
+            return 0
+        saved = self.engine.abort(ticket)
+        if saved:
+            self._held.discard(slot)
+            self._evict_to_empty(rec)
+            rec.displaced = None
+        return saved
+
+    def promote(self, slot: int) -> None:
+        """The running layer needs the prefetch copy into ``slot`` (its ledger kept it): what of the copy
+        has not started goes with the demand copies, ahead of the layer's misses (TransferEngine.promote)."""
+        ticket = self._slot[slot].ticket
+        if ticket is not None and ticket.prefetch:
+            self.engine.promote(ticket)
+
     def mark_unused(self, slot: int) -> bool:
         """A prefetch copy whose target layer ran without it becomes UNUSED (the next copy's slot);
         True when ``slot`` held such a copy (a wasted prediction), False otherwise."""

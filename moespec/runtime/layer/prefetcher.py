@@ -27,10 +27,14 @@ from moespec.runtime.stats import LayerStats, StatsRecorder
 
 @dataclass(frozen=True)
 class Prediction:
-    """A predicted routing (ids/weights [1, K] on the device) and its ids already read to the host."""
+    """A predicted routing (ids/weights [1, K] on the device), its ids already read to the host (in
+    the routing's order: speculative mode runs them), and the same ids highest predicted weight first
+    (the prefetch order: the likeliest rows are read first, so a demand miss more often finds its
+    row landed; ``best_first`` empty: use ``host_ids``)."""
 
     routing: Routing
     host_ids: list[int]
+    best_first: list[int] = ()
 
 
 class NoPrefetcher:
@@ -94,7 +98,7 @@ class Prefetcher(NoPrefetcher):
         t0 = time.perf_counter()
         target = self.predictor.target(layer).layer
         self.predicted[target] = prediction
-        wanted, budget = self.misses.prefetch_plan(prediction.host_ids, self.ledger.cache)
+        wanted, budget = self.misses.prefetch_plan(list(prediction.best_first or prediction.host_ids), self.ledger.cache)
         self.ledger.issue(target, wanted, recorder.layer(target), budget)
         ms = (self._predict_s + time.perf_counter() - t0) * 1e3
         self.misses.observe_predict(ms)

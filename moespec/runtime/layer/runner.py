@@ -145,6 +145,8 @@ class MoeLayerRunner:
         routing, ids = self._route(block, x, stats)  # route (ids already on the host when speculated)
         nxt = self.prefetcher.predict(layer, residual, routing, stats)  # predict l+1's routing, or None
         routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)  # one host read (+ guard)
+        half = len(nxt_ids) // 2  # l+1's ids in the routing's order, then best first (_read_host)
+        nxt_ids, nxt_best = nxt_ids[:half], nxt_ids[half:]
         self.observer.routing(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(ids)}
         raws: list = [None] * len(ids)  # [1, H] per top-k position
@@ -156,7 +158,7 @@ class MoeLayerRunner:
 
         queued = None
         if nxt is not None:  # prefetch l+1 behind l's demand copies
-            prediction = Prediction(nxt, nxt_ids)
+            prediction = Prediction(nxt, nxt_ids, nxt_best)
             queued = lambda: self.prefetcher.prefetch(layer, prediction, self.recorder)  # noqa: E731
         self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued)  # plan misses, stream
         return sum_one_token(raws, routing.weights, x)  # combine: [1, K, H] * [1, K, 1] summed over K
@@ -181,14 +183,17 @@ class MoeLayerRunner:
                    stats: LayerStats) -> tuple[Routing, list[int], list[int]]:
         """The layer's one host read: what runs here and what l+1 is predicted to need, together
         (float64 in guarded mode, whose signals carry gate weights; int64 otherwise). Returns the
-        routing that runs, its host ids and l+1's predicted host ids."""
+        routing that runs, its host ids and l+1's predicted host ids: [K] in the prediction's order,
+        then the same [K] highest predicted weight first (the prefetch order)."""
         guarded = ids is None and self.policy.execute == ExecuteMode.GUARDED
         dtype = torch.float64 if guarded else routing.ids.dtype
         parts = []
         if ids is None:
             parts.append(guard_signals(routing) if guarded else routing.ids.reshape(-1))
         if nxt is not None:
-            parts.append(nxt.ids.reshape(-1).to(dtype))
+            flat = nxt.ids.reshape(-1)  # [K] (decode: one token)
+            best = flat[nxt.weights.reshape(-1).argsort(descending=True, stable=True)]  # [K]
+            parts.append(torch.cat([flat, best]).to(dtype))
         got = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist() if parts else []
         if ids is not None:
             return routing, ids, got

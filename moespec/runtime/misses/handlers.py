@@ -9,7 +9,7 @@ whether predicting pays (``pays``, ``observe_predict``, ``observe_used``; ``--on
 exact and guarded modes only). :class:`FetchMisses` is the no-op twin of the other two: every
 miss is copied, nothing is measured.
 
-- ``fetch`` (:class:`FetchMisses`): no host job; a prediction is prefetched in id order, unbounded.
+- ``fetch`` (:class:`FetchMisses`): no host job; a prediction is prefetched highest weight first, unbounded.
 - ``host`` (:class:`HostMisses`): every miss goes to the host pool; in-flight prefetches run on the
   device.
 - ``auto`` (:class:`AutoMisses`): the planner's per-miss choice from measured costs, a prefetch
@@ -60,8 +60,9 @@ class FetchMisses:
         """Wait for the host jobs (ascending ids) and hand each raw output [t, H] to ``put(e, raw)``."""
 
     def prefetch_plan(self, ids: list[int], cache: ExpertCache) -> tuple[list[int], int | None]:
-        """(the predicted experts in prefetch order, most copies or None): here id order, no limit."""
-        return sorted(set(ids)), None
+        """(the predicted experts in prefetch order, most copies or None): here the given order (highest
+        predicted weight first: the likeliest rows land first), no limit."""
+        return list(dict.fromkeys(ids)), None
 
     def observe_device(self, tokens: int, span: Span) -> None:
         """A device expert for ``tokens`` tokens took ``span`` (only called when ``times_device``)."""

@@ -104,6 +104,18 @@ class TransferEngine:
         """Make the compute side wait for ``ticket``; returns the stall span (0 when already done)."""
         raise NotImplementedError
 
+    def abort(self, ticket: Ticket) -> int:
+        """Stop a started copy that nobody will read (a wrong prefetch whose layer came): the parts of
+        it not started are dropped. Returns the bytes they held, off ``bytes_moved`` (0: nothing
+        dropped, the copy runs to its end, the default). The destination then holds no valid expert;
+        a later copy into its slot still waits for the parts running now."""
+        return 0
+
+    def promote(self, ticket: Ticket) -> None:
+        """A queued prefetch ``ticket`` is needed by the layer about to run: what of it has not started
+        goes with the demand copies, in its own queue place (before demand copies queued after it).
+        Engines that cannot reorder keep it where it is (the default)."""
+
     def landed(self, ticket: Ticket) -> bool:
         """True when ``ticket``'s copy can no longer write its slot (finished, waited or cancelled);
         a query, never blocks. The cache gives a prefetch only slots whose copy landed."""

@@ -14,13 +14,15 @@ are thin, young and need a recent kernel. The file is opened with O_DIRECT (the 
 bypassed, so a memory cap counts only the RAM tier); where the filesystem refuses O_DIRECT (tmpfs) it
 is read through the page cache with a note, and the read pages are dropped (POSIX_FADV_DONTNEED).
 
-Two rules keep the disk busy with what compute waits for (issue 27: decode reached 60 % of the
+Three rules keep the disk busy with what compute waits for (issue 27: decode reached 60 % of the
 reader's own GB/s, and prefetch made the router arm slower than on-demand):
 
 - A row is read in chunks of ``chunk_bytes`` (2 MiB), each its own read on any free reader, so the
   two or three rows a layer misses still keep ``readers`` reads in flight (one 9 MiB row read alone
   is a queue depth of 1-3 on the device), and a read ahead never holds the disk longer than one
   chunk.
+- A wrong prefetch whose layer came is cut: its chunks not started are dropped (``abort``), so
+  the layer's demand reads do not queue behind the rest of a row nobody reads.
 - While a demand read is queued or running no prefetch chunk starts (the disk has no priorities:
   a prefetch read beside a demand read halves the demand read's speed); prefetch chunks fill the
   disk only while compute needs nothing from it.
@@ -83,6 +85,7 @@ class _Read:
     left: int
     error: str | None = None
     t0: float = 0.0
+    cut: bool = False  # its chunks not started were dropped (abort): no row lands, nothing to check
 
 
 class DiskReadEngine(CopyQueue, TransferEngine):
@@ -112,6 +115,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
         self.prefetch_beside = prefetch_beside
         self._init_queue()  # demand reads before queued prefetches, cancellable (queue.py)
         self.reads = 0
+        self.cut_reads = 0  # started reads whose chunks not started were dropped (abort)
         self._busy_s = 0.0  # wall seconds with at least one read running (the link's busy time)
         self._running = 0  # chunks being read
         self._demand_running = 0  # of them, chunks of demand reads (no prefetch chunk starts beside one)
@@ -191,7 +195,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
 
     def _finish(self, rd: _Read) -> None:
         """The last chunk of ``rd`` has landed: check the row, then hand it over (or its error)."""
-        error = rd.error if rd.error is not None else self._check(rd.dst, rd.row)
+        error = None if rd.cut else rd.error if rd.error is not None else self._check(rd.dst, rd.row)
         t1 = time.perf_counter()
         ticket = rd.ticket
         with self._cv:
@@ -201,7 +205,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
             if error is not None:
                 self._errors[id(ticket)] = error
                 self._failed.append(ticket)
-            self.reads += 1
+            self.reads += not rd.cut  # rows that landed
             self._pending -= 1
             ticket.start, ticket.end, ticket.copy_s = rd.t0, t1, t1 - rd.t0
             ticket.done.set()
@@ -281,7 +285,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
     def wait(self, ticket: Ticket) -> Span:
         t0 = time.perf_counter()
         if ticket.prefetch and not ticket.done.is_set():
-            self._promote(ticket)
+            self.promote(ticket)
         ticket.done.wait()
         ticket.waited = True
         with self._cv:
@@ -290,8 +294,37 @@ class DiskReadEngine(CopyQueue, TransferEngine):
             raise CheckpointError(error, "run the request again; if it persists, restart moespec to rebuild the file")
         return Span(t0, time.perf_counter())
 
-    def _promote(self, ticket: Ticket) -> None:
-        """Compute waits for ``ticket``: its chunks still queued go with the demand reads."""
+    def abort(self, ticket: Ticket) -> int:
+        """Drop the queued chunks of the started read ``ticket`` (base.py); the row bytes they held."""
+        with self._cv:
+            rd = self._active.get(ticket.slot)
+            if rd is None or rd.ticket is not ticket or ticket.done.is_set():
+                return 0  # not started (cancel it instead), finished, or superseded
+            keep, saved, dropped = [], 0, 0
+            for entry in self._heap:
+                job = entry[2]
+                if job is not None and job[0] is rd:
+                    dropped += 1
+                    saved += max(0, min(job[2], rd.row.nbytes - job[1]))  # data bytes, not the alignment pad
+                else:
+                    keep.append(entry)
+            if not dropped:
+                return 0
+            heapq.heapify(keep)
+            self._heap[:] = keep
+            rd.cut, rd.left = True, rd.left - dropped
+            self.bytes_moved -= saved
+            self.cut_reads += 1
+            last = rd.left == 0  # every chunk that started has ended already
+        if last:
+            self._finish(rd)
+        return saved
+
+    def promote(self, ticket: Ticket) -> None:
+        """Compute needs ``ticket`` (its layer settled it, or waits for it): its chunks still queued go
+        with the demand reads, in their first queue place (so before the layer's demand misses)."""
+        if ticket.done.is_set():
+            return
         with self._cv:
             heap = self._heap
             for i, (priority, seq, job) in enumerate(heap):

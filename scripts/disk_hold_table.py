@@ -1,0 +1,96 @@
+"""The table of a disk tier hold (scripts/disk_hold.sh): one block per hold, ratios within it.
+
+    python scripts/disk_hold_table.py hold.jsonl [--json]
+
+Per arm: TPOT ms, disk MB per decode token, decode read GB/s and its share of the reader's (the
+reader arm of the same hold: the store file read alone, 8 reads in flight), the disk floor (MB per
+token / the reader's GB/s) and TPOT over it, TPOT over on-demand's (none), the mmap baseline's and
+accelerate's TPOT over this arm's, and the cgroup's peak (RSS + page cache) against the cap.
+The last stdout line (--json) is one JSON object: hold -> arm -> those numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def rows_by_hold(path: Path) -> dict[str, dict[str, dict]]:
+    """hold -> arm -> its JSON line (the last one, where an arm ran twice; the reader's GB/s is the
+    mean of its runs in the hold, e.g. one at each end, with each run in ``gbps_runs``)."""
+    out: dict[str, dict[str, dict]] = defaultdict(dict)
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row["arm"] == "reader" and "gbps" in row:
+                runs = out[row["hold"]].get("reader", {}).get("gbps_runs", []) + [row["gbps"]]
+                row = {**row, "gbps_runs": runs, "gbps": round(sum(runs) / len(runs), 3)}
+            out[row["hold"]][row["arm"]] = row
+    return dict(out)
+
+
+def numbers(arms: dict[str, dict]) -> dict[str, dict]:
+    """arm -> the table's numbers (None where the hold lacks what a ratio needs)."""
+    reader = arms.get("reader", {}).get("gbps")
+    none = arms.get("none", {}).get("tpot_ms")
+    out = {}
+    for name, row in arms.items():
+        tpot, mb = row.get("tpot_ms"), row.get("decode_disk_mb_per_token")
+        gbps = row.get("decode_disk_gbps")
+        floor = mb / reader if mb and reader else None  # MB / (GB/s) = ms
+        out[name] = {
+            "round": row["round"], "tpot_ms": tpot, "mb_per_token": mb, "gbps": gbps or row.get("gbps"),
+            "reader_share": round(gbps / reader, 2) if gbps and reader else None,
+            "floor_ms": round(floor, 1) if floor else None,
+            "x_floor": round(tpot / floor, 2) if tpot and floor else None,
+            "x_none": round(tpot / none, 2) if tpot and none and name != "none" else None,
+            "mmap_x": round(arms["mmap"]["tpot_ms"] / tpot, 2) if tpot and "mmap" in arms and name != "mmap" else None,
+            "accel_x": (round(arms["accelerate"]["tpot_ms"] / tpot, 1)
+                        if tpot and arms.get("accelerate", {}).get("tpot_ms") and name != "accelerate" else None),
+            "recall": row.get("recall"), "peak_mib": row["peak_mib"], "cap_mib": row["cap_mib"], "rc": row["rc"],
+        }
+    return out
+
+
+def _cell(v, width: int) -> str:
+    text = "-" if v is None else (f"{v:.1f}" if isinstance(v, float) and abs(v) >= 100 else str(v))
+    return text.rjust(width)
+
+
+def render(holds: dict[str, dict[str, dict]]) -> str:
+    """One 80-column block per hold."""
+    cols = [("arm", 10), ("TPOT", 7), ("MB/tok", 7), ("GB/s", 6), ("rd sh", 5), ("floor", 6), ("xflr", 5),
+            ("xnone", 5), ("mmap/", 5), ("acc/", 5), ("peak", 5)]
+    lines = []
+    for hold, arms in holds.items():
+        table = numbers(arms)
+        rounds = sorted({r["round"] for r in table.values()})
+        cap = next(iter(table.values()))["cap_mib"]
+        runs = arms.get("reader", {}).get("gbps_runs", [])
+        lines.append(f"hold {hold} (round {', '.join(map(str, rounds))}; cap {cap} MiB; peak MiB; ms; reader "
+                     f"GB/s {' '.join(map(str, runs)) or '-'})")
+        lines.append(" ".join(name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w) in enumerate(cols)))
+        for name, n in table.items():
+            vals = [n["tpot_ms"], n["mb_per_token"], n["gbps"], n["reader_share"], n["floor_ms"], n["x_floor"],
+                    n["x_none"], n["mmap_x"], n["accel_x"], n["peak_mib"]]
+            flag = "" if n["rc"] == 0 else f"  rc {n['rc']}"
+            lines.append(name.ljust(cols[0][1]) + " " + " ".join(_cell(v, w) for v, (_, w) in zip(vals, cols[1:])) + flag)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--json", action="store_true", help="the numbers as one JSON object on the last line")
+    args = ap.parse_args()
+    holds = rows_by_hold(args.path)
+    print(render(holds))
+    if args.json:
+        print(json.dumps({h: numbers(a) for h, a in holds.items()}))
+
+
+if __name__ == "__main__":
+    main()
