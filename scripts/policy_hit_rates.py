@@ -59,39 +59,46 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
                                             tokenize=False)
         ids, prompt, generate = tok(templated, add_special_tokens=False)["input_ids"], None, True
     engine = Engine(om)
-    trace, preds, ranks, pred_ranks = [], [], [], []
+    trace, preds, ranks, pred_ranks, far_ranks = [], [], [], [], []
     current: dict[int, list[int]] = {}
     current_ranks: dict[int, list[int]] = {}
+    current_far: dict[int, list[int]] = {}
 
     class Recorded(RouterPredictor):
-        """The router predictor, keeping what it predicts for each layer in ``current``."""
+        """The router predictor, keeping what it predicts for each layer in ``current``, and the
+        lookahead ranking of the layer after (router_{l+2}(LN_{l+2}(r_l))) in ``current_far``."""
 
         def predict(self, layer, residual, used):
             got = super().predict(layer, residual, used)
             if got is not None:
-                target = self.target(layer).layer
-                current.setdefault(target, got.ids.reshape(-1).tolist())
-                current_ranks.setdefault(target, _ranked(got.logits))
+                target = self.target(layer)
+                current.setdefault(target.layer, got.ids.reshape(-1).tolist())
+                current_ranks.setdefault(target.layer, _ranked(got.logits))
+                far = self.target(target.layer)
+                if far is not None:
+                    logits = self.adapter.router_logits(far.block, far.norm(residual))  # [1, E]
+                    current_far.setdefault(far.layer, _ranked(logits))
             return got
 
     om.use_policy(replace(om.policy, predictor=Recorded(om.adapter, om.layer_refs())))
     with torch.inference_mode(), om.recording_routings() as ran:
         last = engine.forward(ids[:prompt], "prefill")
         for i in range(tokens):
-            current, current_ranks = {}, {}
+            current, current_ranks, current_far = {}, {}, {}
             t = int(torch.argmax(last)) if generate else ids[prompt + i]
             last = engine.forward([t], "decode")
             trace.append({layer: r.ids[0].tolist() for layer, r in sorted(ran.items())})
             ranks.append({layer: _ranked(r.logits) for layer, r in sorted(ran.items())})
             preds.append(current)
             pred_ranks.append(current_ranks)
+            far_ranks.append(current_far)
     k = om.adapter.top_k()
     total = len(om.store.moe_layers) * om.store.num_experts
     seed = load_seed(path, None, k)
     om.close()
     assert all(len(step) == len(trace[0]) - 1 for step in preds), "the router predicted only some layers"
     return {"top_k": k, "experts": total, "trace": trace, "router": preds, "ranks": ranks,
-            "router_ranks": pred_ranks, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
+            "router_ranks": pred_ranks, "lookahead_ranks": far_ranks, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
 
 
 def _ranked(logits: torch.Tensor) -> list[int]:
@@ -119,6 +126,12 @@ def _row(rows: dict, name: str, mode: str, results: list, bound: list[float], ba
 
 
 HORIZONS = (1, 2, 4)  # tokens of future routing a MIN row sees
+VISITS = (1, 2, 4)  # layer visits of future routing a MIN row sees
+
+
+def _truth(ids: list[int], experts: int) -> list[int]:
+    """A ranking that puts a layer's true experts first (the oracle's ranking), then the rest."""
+    return list(ids) + [e for e in range(experts) if e not in ids]
 
 
 def main() -> None:
@@ -126,6 +139,7 @@ def main() -> None:
     from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
     from moespec.runtime.cache.eviction import LfruRule, make_rule
     from moespec.runtime.cache.foresight import ForesightRule
+    from moespec.runtime.cache.lookahead import LookaheadRule
     from moespec.runtime.cache.replay import replay
 
     ap = argparse.ArgumentParser()
@@ -147,9 +161,11 @@ def main() -> None:
 
     ranks = _steps(data["ranks"]) if "ranks" in data else None  # traces saved before the rankings: none
     ahead = _steps(data["router_ranks"]) if "router_ranks" in data else None
+    far = _steps(data["lookahead_ranks"]) if "lookahead_ranks" in data else None
 
-    def run(rule, p, slots):
-        return replay(trace, slots, rule, p, prefetch_slots=k if p else 0, ranks=ranks, predicted_ranks=ahead)
+    def run(rule, p, slots, ahead=ahead, far=far):
+        return replay(trace, slots, rule, p, prefetch_slots=k if p else 0, ranks=ranks, predicted_ranks=ahead,
+                      lookahead_ranks=far)
 
     bound = {mode: [run(partial(BeladyRule, trace), p, s).hit_rate() for s in sizes] for mode, p in modes}
     rows = {f"min/{mode}": {"hit_rate": rates} for mode, rates in bound.items()}
@@ -171,6 +187,24 @@ def main() -> None:
     for w in HORIZONS:
         results = [run(lambda w=w: HorizonMinRule(trace, w, LfruRule(seed, k)), None, s) for s in sizes]
         _row(rows, f"min@{w}tok", "on-demand", results, bound["on-demand"], base)
+    # MIN seeing only the next V layer visits (the rest of lfru's order): what a lookahead could give.
+    for v in VISITS:
+        def horizon(v=v):
+            rule = HorizonMinRule(trace, 0, LfruRule(seed, k))
+            rule.window = v
+            return rule
+        results = [run(horizon, None, s) for s in sizes]
+        _row(rows, f"min@{v}vis", "on-demand", results, bound["on-demand"], base)
+    # The lookahead rule (lookahead.py): lfru keeping the router's top experts of the next layers,
+    # from the router's rankings (distance 1, 2 or both) and from the true routing (an oracle ranking).
+    if ahead is not None and far is not None:
+        truth = [{layer: _truth(ids, total // len(step)) for layer, ids in step.items()} for step in trace]
+        arms = [("look1", (1,), ahead, far), ("look2", (2,), ahead, far), ("look12", (1, 2), ahead, far),
+                ("lookO12", (1, 2), truth, truth)]
+        for name, dist, a, f in arms:
+            for mode, p in modes[:2]:
+                results = [run(partial(LookaheadRule, seed, k, distances=dist), p, s, a, f) for s in sizes]
+                _row(rows, name, mode, results, bound[mode], base)
     print(json.dumps({"tokens": len(trace), "results": rows}))
 
 

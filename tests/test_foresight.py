@@ -11,6 +11,7 @@ import pytest
 from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
 from moespec.runtime.cache.eviction import LfruRule
 from moespec.runtime.cache.foresight import ForesightRule
+from moespec.runtime.cache.lookahead import LookaheadRule
 from moespec.runtime.cache.replay import replay
 from moespec.runtime.cache.slot import Slot
 
@@ -81,3 +82,39 @@ def test_horizon_zero_is_the_fallback_and_a_long_one_is_min(seed):
         assert long.hit_rate() == bound.hit_rate()
         one = replay(trace, slots, lambda: HorizonMinRule(trace, 1, LfruRule(prior, k)), prefetch_slots=0)
         assert one.hit_rate() <= bound.hit_rate()
+
+
+def test_lookahead_keeps_the_predicted_experts_from_commit_to_their_layer_s_commit():
+    # Equal counts: lfru would evict in LRU order, (1, 0) first. Layer 1's prediction keeps (1, 0)
+    # from the commit of layer 0's visit until the commit of layer 1's own visit.
+    rule = LookaheadRule(_uniform(3, 4, 1), top_k=1)
+    slots = _slots((1, 0), (2, 1))
+    rule.visit(0)
+    rule.predicted(1, [0, 1, 2, 3])
+    rule.predicted(2, [3, 2, 1, 0], distance=2)
+    assert rule.victim(slots).key == (1, 0)  # buffered: nothing moved yet
+    rule.commit()
+    assert rule.victim(slots).key == (2, 1)
+    rule.visit(1)
+    assert rule.victim(slots).key == (2, 1)  # a visit moves nothing
+    rule.commit()  # layer 1's visit: its protection ends
+    assert rule.victim(slots).key == (1, 0)
+
+
+def test_lookahead_evicts_protected_keys_last_lowest_count_first():
+    seed = {(0, 0): 0.1, (0, 1): 0.9, (1, 0): 0.2, (1, 1): 0.8}
+    rule = LookaheadRule(seed, top_k=2, protect=2)
+    rule.visit(0)
+    rule.predicted(1, [0, 1])
+    rule.commit()
+    slots = _slots((1, 1), (1, 0), (0, 1))
+    assert rule.victim(slots).key == (0, 1)  # the only unprotected key, though the most used
+    assert rule.victim(slots[:2]).key == (1, 0)  # then lfru's order among the protected
+
+
+def test_lookahead_ignores_the_distances_it_was_not_given():
+    rule = LookaheadRule(_uniform(3, 4, 1), top_k=1, distances=(1,))
+    rule.visit(0)
+    rule.predicted(2, [0, 1, 2, 3], distance=2)
+    rule.commit()
+    assert rule.victim(_slots((2, 0), (2, 1))).key == (2, 0)  # plain lfru (LRU order on ties)

@@ -13,6 +13,7 @@ from moespec.config import CachePolicy
 from moespec.runtime.cache.belady import BeladyRule
 from moespec.runtime.cache.eviction import make_rule
 from moespec.runtime.cache.foresight import ForesightRule
+from moespec.runtime.cache.lookahead import LookaheadRule
 from moespec.runtime.cache.replay import NullEngine, replay
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.transfer.base import Ticket
@@ -55,16 +56,20 @@ def test_a_perfect_prediction_never_moves_more_bytes_with_rankings(case, data):
     # A rule that reads the routers' rankings (foresight.py) moves scores only at commit: random
     # rankings of the layer itself and of the next one must not let a prefetch take another slot
     # (with the commit at the start of a visit instead, this finds counterexamples).
+    # The same for the lookahead rule (lookahead.py), which also hears rankings two layers ahead.
     trace, k, slots, seed, _ = case
     experts = 1 + max(e for _, e in seed)
     order = st.permutations(range(experts)).map(list)
     ranks = [{layer: data.draw(order) for layer in step} for step in trace]
     ahead = [{layer: data.draw(order) for layer in step} for step in trace]
-    rule = partial(ForesightRule, seed, k)
-    demand = replay(trace, slots, rule, None, prefetch_slots=0, ranks=ranks, predicted_ranks=ahead)
-    oracle = replay(trace, slots, rule, trace, prefetch_slots=k, ranks=ranks, predicted_ranks=ahead)
-    assert oracle.copies <= demand.copies
-    assert oracle.wasted == 0
+    far = [{layer: data.draw(order) for layer in step} for step in trace]
+    protect = data.draw(st.integers(1, experts))
+    for rule in (partial(ForesightRule, seed, k), partial(LookaheadRule, seed, k, protect=protect)):
+        given_ranks = dict(ranks=ranks, predicted_ranks=ahead, lookahead_ranks=far)
+        demand = replay(trace, slots, rule, None, prefetch_slots=0, **given_ranks)
+        oracle = replay(trace, slots, rule, trace, prefetch_slots=k, **given_ranks)
+        assert oracle.copies <= demand.copies
+        assert oracle.wasted == 0
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)

@@ -61,8 +61,9 @@ class EvictionRule:
     def routed(self, layer: int, ranked: list[int]) -> None:
         """``layer``'s router logits of this decode token, as expert ids best first (buffered)."""
 
-    def predicted(self, layer: int, ranked: list[int]) -> None:
-        """The predictor's logits for ``layer``'s coming visit, as expert ids best first (buffered)."""
+    def predicted(self, layer: int, ranked: list[int], distance: int = 1) -> None:
+        """The predictor's logits for ``layer``'s coming visit, as expert ids best first (buffered);
+        ``distance``: MoE layers from the running one to ``layer`` (2: a lookahead prediction)."""
 
     def commit(self) -> None:
         """Apply the buffered rankings (the stream calls it once the running layer's demand copies

@@ -86,8 +86,9 @@ class ForesightRule(LfruRule):
     def routed(self, layer: int, ranked: list[int]) -> None:
         self.buffered.append((ROUTED, layer, ranked))
 
-    def predicted(self, layer: int, ranked: list[int]) -> None:
-        self.buffered.append((PREDICTED, layer, ranked))
+    def predicted(self, layer: int, ranked: list[int], distance: int = 1) -> None:
+        if distance == 1:  # its odds are per kind; a lookahead ranking would need its own
+            self.buffered.append((PREDICTED, layer, ranked))
 
     def commit(self) -> None:
         for kind, layer, ranked in self.buffered:

@@ -99,7 +99,7 @@ class ReplayResult:
 def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None = None,
            predictions: Trace | None = None, prefetch_slots: int | None = None,
            engine: TransferEngine | None = None, ranks: Trace | None = None,
-           predicted_ranks: Trace | None = None) -> ReplayResult:
+           predicted_ranks: Trace | None = None, lookahead_ranks: Trace | None = None) -> ReplayResult:
     """Run ``trace`` through a fresh ExpertCache of ``num_slots`` slots.
 
     Args:
@@ -113,6 +113,8 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
         predicted_ranks: per step, layer -> the predictor's expert ids best first for that layer,
             made while the layer before it ran (the rule's ``predicted``; also without ``predictions``:
             a rule may look at a prediction that nothing prefetches).
+        lookahead_ranks: per step, layer -> the predictor's expert ids best first for that layer,
+            made while the layer two MoE layers before it ran (the rule's ``predicted``, distance 2).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), engine or NullEngine(), rule, prefetch_slots)
     ledger = PrefetchLedger(cache)
@@ -132,6 +134,9 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
                 rule.routed(layer, ranks[s][layer])
             if predicted_ranks is not None and nxt is not None and nxt in predicted_ranks[s]:
                 rule.predicted(nxt, predicted_ranks[s][nxt])
+            far = layers[i + 2] if i + 2 < len(layers) else None
+            if lookahead_ranks is not None and far is not None and far in lookahead_ranks[s]:
+                rule.predicted(far, lookahead_ranks[s][far], distance=2)
             if predictions is not None and nxt is not None:
                 wanted = sorted(set(predictions[s].get(nxt, [])))
                 queued = partial(ledger.issue, nxt, wanted, stats.setdefault(nxt, LayerStats()))
