@@ -40,6 +40,7 @@ from torch import nn
 
 from moespec.errors import OptionError
 from moespec.kernels import linear as kl
+from moespec.kernels import spin
 from moespec.kernels.lowbit import COL_MULTIPLE, LowBitWeight, dequantize
 
 DENSE_DTYPES = ("auto", "float32", "bf16", "bfloat16", "int8")
@@ -170,9 +171,8 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
     registered before any tracing)."""
     bias, rows = module.bias, kl.rows_of(w)
     limit = kl.max_tokens(w) if native else -1
-    # kernels.linear falls back to F.linear(x, w) itself (e.g. several intra-op threads on a float
-    # weight), which needs w in x's dtype: only a bf16 weight under float32 compute is planned here.
-    planned = isinstance(w, torch.Tensor) and w.dtype != module.weight.dtype
+    bound = spin.BoundWeight(w) if native and spin.bindable(w) else None
+    lowbit = isinstance(w, LowBitWeight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [T, C]
@@ -180,11 +180,14 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
             return F.linear(x, as_dense(w, x.dtype), bias)
         if torch.compiler.is_compiling():
             y = _op(ops, x2, w)
-        elif planned and kl.plan(x2, w) == "gemm":
+        elif bound is None or (not lowbit and torch.get_num_threads() > 1):
+            # several intra-op threads outside the thread plan: F.linear uses them (as kernels.linear.plan)
             return F.linear(x, as_dense(w, x.dtype), bias)
         else:
             path.calls += 1
-            y = kl.linear(x2, w)  # [T, R]
+            y = bound.linear(x2.float().contiguous(), spin.active())  # [T, R] float32
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], rows)
