@@ -66,7 +66,8 @@ def bytes_per_token(om) -> int:
     dense = getattr(om, "dense", None)
     if dense is not None:  # the stored (bf16 / int8) weights are what a token reads
         for module in dense.weights:
-            total += dense.bytes_read(module) - module.weight.numel() * module.weight.element_size()
+            held = 0 if module.weight.device.type == "meta" else module.weight.numel() * module.weight.element_size()
+            total += dense.bytes_read(module) - held  # a weight freed to meta was not counted above
     store = om.store
     row = store.buffer[0, 0].numel() * store.buffer.element_size()
     return total + len(store.moe_layers) * om.adapter.top_k() * row

@@ -29,7 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, tiles.c, a8.c, expert.c (+ avx512.c): one library
+CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, tiles.c, a8.c, expert.c, spin.c, norm.c (+ avx512.c): one library
 # -fno-tree-loop-distribute-patterns: gcc turned the kernels' small copy loops into ``rep movsq``,
 # which took half the time of the several-token kernel on this project's AMD VM (perf annotate).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11")
@@ -53,6 +53,13 @@ _SIGNATURES = {
     "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                      _I, _I, _I, _P]),
     "cpu_isa": (ctypes.c_int, [ctypes.c_int]),
+    # spin.c: bound weights and the spinning row pool (kernels/spin.py)
+    "spin_bind": (_P, [ctypes.c_int, _P, _P, _P, _I, _I, _I]),
+    "spin_unbind": (None, [_P]),
+    "spin_pool_new": (_P, [ctypes.c_int]),
+    "spin_pool_free": (None, [_P]),
+    "spin_linear": (ctypes.c_int, [_P, _P, _P, _I, _P, _I]),
+    "rms_norm": (None, [_P, _I, _I, _P, ctypes.c_float, _P]),  # norm.c (kernels/norm.py)
 }
 
 

@@ -40,7 +40,10 @@ from torch import nn
 
 from moespec.errors import OptionError
 from moespec.kernels import linear as kl
+from moespec.kernels import native as native_kernels
+from moespec.kernels import spin
 from moespec.kernels.lowbit import COL_MULTIPLE, LowBitWeight, dequantize
+from moespec.runtime import dense_call
 
 DENSE_DTYPES = ("auto", "float32", "bf16", "bfloat16", "int8")
 GROUP_SIZE = 64  # as the experts' default (models/quant.DEFAULT_GROUP_SIZE)
@@ -110,20 +113,26 @@ class DensePath:
         reference: True runs every wrapped Linear as F.linear on its stored weight's values (the
             slow reference the tests compare against); set it at any time.
         calls: native GEMV calls so far (tests check the fast path ran).
+        fused: fused units installed (runtime/dense_call.py: q/k/v groups and SiLU MLPs).
     """
 
     weights: dict[nn.Module, object] = field(default_factory=dict)
     native: set[str] = field(default_factory=set)
     reference: bool = False
     calls: int = 0
+    fused: int = 0
     _undo: list[tuple[nn.Module, object]] = field(default_factory=list)
+    _freed: list[tuple[nn.Module, torch.dtype]] = field(default_factory=list)
 
     def bytes_read(self, module: nn.Module) -> int:
         """Bytes one product of ``module``'s stored weight reads (bias left out: a few KB)."""
         return kl.nbytes(self.weights[module])
 
     def uninstall(self) -> None:
-        """Put the modules' own forwards back."""
+        """Put the modules' own forwards back (and weights freed to meta: their stored values)."""
+        for module, dtype in self._freed:
+            module.weight = nn.Parameter(as_dense(self.weights[module], dtype).clone(), requires_grad=False)
+        self._freed.clear()
         for module, before in reversed(self._undo):
             if before is None:
                 del module.forward
@@ -154,15 +163,49 @@ def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, devi
     fmt = resolve_dense_dtype(dense_dtype, compute, device)
     min_bytes = MIN_NATIVE_BYTES if min_bytes is None else min_bytes
     path = DensePath()
-    for name, module in dense_linears(model):
-        if module.weight.numel() * module.weight.element_size() < min_bytes:
-            continue  # a few KB (e.g. Qwen2-MoE's shared-expert gate [1, H]): float, F.linear, as it is
-        w = stored_weight(module.weight, fmt)
+    chosen = [(n, m) for n, m in dense_linears(model)
+              if m.weight.numel() * m.weight.element_size() >= min_bytes]  # smaller: as it is (a few KB)
+    native = device.type == "cpu" and native_kernels.library() is not None
+    stored: dict[nn.Module, object] = {}
+    qkv, mlps = [], []
+    if native:  # fused units (runtime/dense_call.py): one stored weight, each module a row slice of it
+        linears = {m for _, m in chosen}
+        qkv, mlps = dense_call.qkv_groups(model, linears), dense_call.mlp_groups(model, linears)
+        for owner, parts in qkv + mlps:
+            fused = stored_weight(torch.cat([p.weight.detach() for p in parts]), fmt)
+            for p, w in zip(parts, dense_call.row_slices(fused, [p.out_features for p in parts])):
+                stored[p] = w
+            stored[owner] = fused
+    ops = _custom_ops()
+    for name, module in chosen:
+        w = stored[module] if module in stored else stored_weight(module.weight, fmt)
         path.weights[module] = w
         path.native.add(name)
         path._undo.append((module, module.__dict__.get("forward")))
-        module.forward = _forward(path, module, w, device.type == "cpu", _custom_ops())
+        module.forward = _forward(path, module, w, device.type == "cpu", ops)
+    for owner, parts in qkv:
+        dense_call.FusedQKV(path, parts, stored[owner], kl.max_tokens(stored[owner])).wrap(parts)
+    for owner, _ in mlps:
+        path._undo.append((owner, owner.__dict__.get("forward")))
+        dense_call.FusedMLP(path, owner, stored[owner], kl.max_tokens(stored[owner])).wrap()
+    path.fused = len(qkv) + len(mlps)
+    _free_replaced(model, path, compute)
     return path
+
+
+def _free_replaced(model: nn.Module, path: DensePath, compute: torch.dtype) -> None:
+    """Put on the meta device every float weight whose values now live in another stored weight (a
+    fused copy, a bf16 / int8 one), so host memory holds each weight once; a weight shared with the
+    input embeddings (tied lm_head) stays. ``uninstall`` puts the stored values back."""
+    emb = model.get_input_embeddings().weight
+    for module, w in path.weights.items():
+        weight = module.weight
+        if weight.device.type == "meta" or weight is emb or weight.data_ptr() == emb.data_ptr():
+            continue
+        if isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+            continue  # the stored weight is this weight (no copy was made)
+        path._freed.append((module, compute))
+        module.weight = nn.Parameter(weight.detach().to("meta"), requires_grad=False)
 
 
 def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
@@ -170,9 +213,8 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
     registered before any tracing)."""
     bias, rows = module.bias, kl.rows_of(w)
     limit = kl.max_tokens(w) if native else -1
-    # kernels.linear falls back to F.linear(x, w) itself (e.g. several intra-op threads on a float
-    # weight), which needs w in x's dtype: only a bf16 weight under float32 compute is planned here.
-    planned = isinstance(w, torch.Tensor) and w.dtype != module.weight.dtype
+    bound = spin.BoundWeight(w) if native and spin.bindable(w) else None
+    lowbit = isinstance(w, LowBitWeight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [T, C]
@@ -180,11 +222,14 @@ def _forward(path: DensePath, module: nn.Linear, w, native: bool, ops):
             return F.linear(x, as_dense(w, x.dtype), bias)
         if torch.compiler.is_compiling():
             y = _op(ops, x2, w)
-        elif planned and kl.plan(x2, w) == "gemm":
+        elif bound is None or (not lowbit and torch.get_num_threads() > 1):
+            # several intra-op threads outside the thread plan: F.linear uses them (as kernels.linear.plan)
             return F.linear(x, as_dense(w, x.dtype), bias)
         else:
             path.calls += 1
-            y = kl.linear(x2, w)  # [T, R]
+            y = bound.linear(x2.float().contiguous(), spin.active())  # [T, R] float32
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], rows)

@@ -30,6 +30,7 @@ from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.disk_store import DiskStore, round_up
 from moespec.runtime.compile import apply_compile
 from moespec.runtime.dense import install_dense, resolve_dense_dtype
+from moespec.runtime.norm_call import install_norms
 from moespec.runtime.host.memory import check_host_memory
 from moespec.runtime.host.quant_store import QuantStoreCache
 from moespec.runtime.host.source import CheckpointSource, SafetensorsSource
@@ -246,9 +247,10 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         for i in moe_layers:
             layer = model.model.layers[i]
             layer.mlp = OffloadedMoeBlock(layer.mlp, i, runner, adapter)
-            # r_l is the input of the post-attention norm: capture it for the predictors.
-            layer.post_attention_layernorm.register_forward_pre_hook(_residual_hook(runner, i))
             refs.append(LayerRef(layer=i, norm=layer.post_attention_layernorm, block=layer.mlp))
+
+        # Native norms; r_l, the input of the post-attention norm, recorded by it for the predictors.
+        norms = install_norms(model, runner, moe_layers)
 
         # int8/int4 experts: a quantised store saved by an earlier start replaces reading the experts.
         saved = None if on_disk else QuantStoreCache.for_store(path, source.fingerprint, store)  # None: not quantised
@@ -266,6 +268,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         notes = [n for n in (note, unsaved, _kernel_note(device, cfg), *getattr(source, "notes", ())) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.dense = install_dense(model, cfg.dense_dtype, dtype, device)  # before compile: it wraps lm_head
+        om.norms = norms
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
         om.compiled = apply_compile(om, cfg.compile)
     except BaseException:
@@ -287,13 +290,6 @@ def _kernel_note(device: torch.device, cfg: RuntimeConfig) -> str | None:
     if device.type != "cpu" and cfg.on_miss == OnMiss.FETCH:
         return None
     return native.status().note
-
-
-def _residual_hook(runner: MoeLayerRunner, layer: int):
-    def hook(module, args):
-        runner.residual[layer] = args[0]
-
-    return hook
 
 
 def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, source: CheckpointSource,

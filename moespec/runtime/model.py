@@ -77,6 +77,7 @@ class OffloadedModel:
         compiled: the compiled dense path (runtime/compile.py) when ``--compile`` put one in, else None.
         threads: the thread plan of its forwards (runtime/threads.py; ``threads.enabled = False``: serial).
         dense: the dense linears' decode path and stored weights (runtime/dense.py), or None.
+        norms: the native RMSNorms, which also record r_l (runtime/norm_call.py), or None.
     """
 
     model: nn.Module
@@ -94,6 +95,7 @@ class OffloadedModel:
     compiled: object | None = None  # runtime.compile.CompiledDense when decode steps run compiled
     threads: ThreadPlan | None = None  # who runs where in a forward (runtime/threads.py); set in __post_init__
     dense: object | None = None  # runtime.dense.DensePath
+    norms: object | None = None  # runtime.norm_call.NormPath
 
     def __post_init__(self) -> None:
         if self.threads is None:

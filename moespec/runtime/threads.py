@@ -9,9 +9,12 @@ process computes on N cores. How they are used depends on the step:
     splits well and each op is big enough to pay for a fork/join of the OpenMP team.
   - decode (T <= ``DECODE_MAX_TOKENS``) with N > 1 on the CPU: the compute thread runs with ONE
     intra-op thread (the hundreds of tiny ops of a step stay on it and never fork a team), and
-    N - 1 persistent workers (kernels/row_pool.RowPool) take the work that can use another core:
+    N - 1 native spinning workers (kernels/spin.SpinPool) split every dense product bound by
+    runtime/dense.py (attention projections, fused q/k/v and gate/up, lm_head) by output rows: they
+    spin between the products of a step, so a split costs no thread wake-up; and N - 1 persistent
+    Python workers (kernels/row_pool.RowPool) take the rest of the work that can use another core:
       * the weight-reading products of at least ``linear.SPLIT_MIN_BYTES`` through
-        moespec.kernels.linear (on the default model: lm_head) cut by output rows, the caller and
+        moespec.kernels.linear that are not bound, cut by output rows, the caller and
         the workers pulling chunks from one counter;
       * with ``shared_beside`` (off by default: measured slower), an MoE layer's shared expert runs
         on an idle worker while the compute thread routes and computes the routed experts
@@ -39,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from moespec.kernels import row_pool
+from moespec.kernels import native, row_pool, spin
 from moespec.kernels.linear import FUSED_MAX_TOKENS_F32
 
 DECODE_MAX_TOKENS = FUSED_MAX_TOKENS_F32  # up to here every product takes the native (one-thread) kernels
@@ -63,6 +66,7 @@ class ThreadPlan:
         self.enabled = True
         self.shared_beside = False
         self._pools: dict[int, row_pool.RowPool] = {}
+        self._spins: dict[int, spin.SpinPool] = {}
 
     def applies(self, tokens: int, threads: int) -> bool:
         """True when a forward of ``tokens`` tokens at ``threads`` intra-op threads runs by the plan."""
@@ -73,6 +77,14 @@ class ThreadPlan:
         if workers not in self._pools:
             self._pools[workers] = row_pool.RowPool(workers)
         return self._pools[workers]
+
+    def spin_pool(self, workers: int) -> spin.SpinPool | None:
+        """The native spinning pool of ``workers`` workers (started once), or None without the kernels."""
+        if native.library() is None:
+            return None
+        if workers not in self._spins:
+            self._spins[workers] = spin.SpinPool(workers)
+        return self._spins[workers]
 
     @contextlib.contextmanager
     def step(self, tokens: int) -> Iterator[row_pool.RowPool | None]:
@@ -86,9 +98,10 @@ class ThreadPlan:
             return
         pool = self.pool(threads - 1)
         pool.beside = self.shared_beside
+        spinning = self.spin_pool(threads - 1)
         torch.set_num_threads(1)
         try:
-            with row_pool.using(pool):
+            with row_pool.using(pool), spin.using(spinning):
                 yield pool
         finally:
             torch.set_num_threads(threads)
@@ -98,3 +111,6 @@ class ThreadPlan:
         for p in self._pools.values():
             p.close()
         self._pools.clear()
+        for s in self._spins.values():
+            s.close()
+        self._spins.clear()

@@ -1,0 +1,191 @@
+/* A pool of spinning workers that share one product's output rows with the caller, and weights bound
+ * once to the kernels (moespec/kernels/spin.py is the Python side).
+ *
+ * Shapes: T tokens, R rows (output features), C columns (input features), g group size, G groups.
+ *
+ * Why: the Python row pool (kernels/row_pool.py) wakes a sleeping thread for every split product,
+ * ~50 us on this VM, more than a 1-5 MB GEMV gains from a second core. Here N workers spin on one
+ * atomic ticket for SPIN_NS after their last chunk (a decode step's products come tens of us apart,
+ * so during a step they never sleep), then sleep on a condition variable (an idle model costs no
+ * core). A product is cut into chunks of rows (multiples of 8: every kernel's row block divides 8,
+ * so a row's value does not depend on its chunk and a split product is bit-equal to the serial one);
+ * the caller and the workers claim chunks from the ticket until none is left.
+ *
+ * The ticket is one 64-bit atomic: high 32 bits the job's generation, low 32 bits the next chunk. A
+ * worker claims a chunk by compare-and-swap under the generation it read, so a worker late from the
+ * previous job can never claim a chunk of the next one with the old job's pointers.
+ *
+ * Bound weights (bound_t): kind, data/scales/zeros pointers and sizes, made once per weight, so a
+ * call passes one pointer instead of ten arguments built in Python.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "common.h"
+
+#define SPIN_NS 2000000L /* 2 ms of spinning after the last chunk, then sleep */
+#define CHUNK_MIN_BYTES 16384 /* a chunk reads at least this many weight bytes (at least 8 rows) */
+
+typedef struct {
+    int kind;
+    const void* w;
+    const uint16_t* scales;
+    const uint8_t* zeros;
+    i64 R, C, g;
+    i64 row_bytes; /* weight bytes per row (codes + scales + zeros) */
+} bound_t;
+
+typedef struct {
+    const bound_t* b;
+    const float* x;
+    const float* xs;
+    float* y;
+    i64 T, ldy, row0, chunk_rows, nchunks;
+} job_t;
+
+typedef struct {
+    int n;
+    pthread_t* th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    _Atomic uint64_t ticket; /* gen << 32 | next chunk */
+    _Atomic int64_t done;    /* chunks finished in this generation */
+    _Atomic int sleepers;
+    _Atomic int stop;
+    _Atomic int rc;
+    job_t job;
+} pool_t;
+
+static i64 now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (i64)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+void* spin_bind(int kind, const void* w, const uint16_t* scales, const uint8_t* zeros, i64 R, i64 C, i64 g) {
+    bound_t* b = (bound_t*)malloc(sizeof(bound_t));
+    if (!b) return NULL;
+    b->kind = kind, b->w = w, b->scales = scales, b->zeros = zeros, b->R = R, b->C = C, b->g = g;
+    const i64 G = g > 0 ? (C + g - 1) / g : 0;
+    b->row_bytes = kind == KIND_F32 ? 4 * C : kind == KIND_BF16 ? 2 * C : (kind == KIND_Q8 ? C : C / 2) + 3 * G;
+    return b;
+}
+
+void spin_unbind(void* b) { free(b); }
+
+/* Run chunks of the job of generation ``gen`` until none is left. */
+static void work(pool_t* p, uint64_t gen) {
+    const job_t* j = &p->job;
+    for (;;) {
+        uint64_t t = atomic_load(&p->ticket);
+        if ((t >> 32) != gen) return;
+        const i64 i = (i64)(t & 0xffffffffu);
+        if (i >= j->nchunks) return;
+        if (!atomic_compare_exchange_weak(&p->ticket, &t, t + 1)) continue;
+        const bound_t* b = j->b;
+        const i64 r0 = j->row0 + i * j->chunk_rows;
+        const i64 r1 = r0 + j->chunk_rows < j->row0 + b->R ? r0 + j->chunk_rows : b->R;
+        int rc = linear_f32act(b->kind, j->x, j->T, b->C, b->w, b->scales, b->zeros, j->xs, b->C, b->g, j->y,
+                               j->ldy, r0, r1);
+        if (rc) atomic_store(&p->rc, rc);
+        atomic_fetch_add(&p->done, 1);
+    }
+}
+
+static void* worker(void* arg) {
+    pool_t* p = (pool_t*)arg;
+    uint64_t seen = atomic_load(&p->ticket) >> 32;
+    while (!atomic_load(&p->stop)) {
+        const i64 until = now_ns() + SPIN_NS;
+        uint64_t gen = seen;
+        for (int k = 0; (gen = atomic_load(&p->ticket) >> 32) == seen && !atomic_load(&p->stop); k++) {
+            _mm_pause();
+            if ((k & 255) == 255 && now_ns() > until) break;
+        }
+        if (gen == seen) { /* spun out: sleep until the next job (or stop) */
+            pthread_mutex_lock(&p->mu);
+            atomic_fetch_add(&p->sleepers, 1);
+            while ((gen = atomic_load(&p->ticket) >> 32) == seen && !atomic_load(&p->stop))
+                pthread_cond_wait(&p->cv, &p->mu);
+            atomic_fetch_sub(&p->sleepers, 1);
+            pthread_mutex_unlock(&p->mu);
+        }
+        if (atomic_load(&p->stop)) break;
+        seen = gen;
+        work(p, gen);
+    }
+    return NULL;
+}
+
+void* spin_pool_new(int workers) {
+    pool_t* p = (pool_t*)calloc(1, sizeof(pool_t));
+    if (!p) return NULL;
+    p->th = (pthread_t*)calloc(workers > 0 ? workers : 1, sizeof(pthread_t));
+    if (!p->th) {
+        free(p);
+        return NULL;
+    }
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    for (int i = 0; i < workers; i++) {
+        if (pthread_create(&p->th[i], NULL, worker, p) != 0) break;
+        p->n++;
+    }
+    return p;
+}
+
+void spin_pool_free(void* pv) {
+    pool_t* p = (pool_t*)pv;
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->stop, 1);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n; i++) pthread_join(p->th[i], NULL);
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p->th);
+    free(p);
+}
+
+/* Rows of a chunk: about CHUNK_MIN_BYTES of weight, a multiple of 8, at least 8. */
+static i64 chunk_rows(const bound_t* b) {
+    i64 rows = (CHUNK_MIN_BYTES + b->row_bytes - 1) / b->row_bytes;
+    return (rows + 7) / 8 * 8;
+}
+
+/* y[T, ldy] (float32) = x[T, C] (float32, contiguous) @ W.T for the bound weight; rows split over the
+ * pool's workers and the caller (pool NULL: the caller alone, the serial reference). T <= 16.
+ * Returns 0, or -1 when a kernel could not allocate its scratch rows. */
+int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 ldy) {
+    pool_t* p = (pool_t*)pv;
+    const bound_t* b = (const bound_t*)bv;
+    const int lowbit = b->kind == KIND_Q8 || b->kind == KIND_Q4;
+    const i64 G = lowbit ? (b->C + b->g - 1) / b->g : 1;
+    float xs_buf[lowbit && T == 1 ? G : 1];
+    const float* xs = NULL;
+    if (lowbit && T == 1) { /* the activations' group sums once, not once per chunk */
+        group_sums(x, 1, b->C, b->C, b->g, xs_buf);
+        xs = xs_buf;
+    }
+    const i64 rows = chunk_rows(b);
+    const i64 nchunks = (b->R + rows - 1) / rows;
+    if (!p || p->n == 0 || nchunks < 2)
+        return linear_f32act(b->kind, x, T, b->C, b->w, b->scales, b->zeros, xs, b->C, b->g, y, ldy, 0, b->R);
+    job_t* j = &p->job;
+    j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0, j->chunk_rows = rows;
+    j->nchunks = nchunks;
+    atomic_store(&p->done, 0);
+    atomic_store(&p->rc, 0);
+    const uint64_t gen = (atomic_load(&p->ticket) >> 32) + 1;
+    atomic_store(&p->ticket, gen << 32); /* publishes the job (seq_cst: ordered after its fields) */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    work(p, gen);
+    while (atomic_load(&p->done) < nchunks) _mm_pause(); /* a chunk a worker still runs: microseconds */
+    return atomic_load(&p->rc);
+}
