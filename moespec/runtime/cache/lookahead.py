@@ -42,7 +42,8 @@ class LookaheadRule(LfruRule):
         top_k: K.
         layers: M, the MoE layers (None: the layers of ``seed``).
         protect: how many of a ranking's first experts are kept (None: K).
-        distances: which rankings count: 1 = the next layer's prediction, 2 = the lookahead one.
+        distances: which rankings count: 1 = the next layer's prediction, 2 = the lookahead one,
+            NEXT_TOKEN (0) = one made before the token's first layer (kept until its layer's visit).
         decay: lfru's decay per visit of a key's layer.
     """
 
@@ -68,7 +69,8 @@ class LookaheadRule(LfruRule):
     def commit(self) -> None:
         self.kept.pop(self.running, None)
         for layer, ranked in self.buffered:  # later rankings of a layer replace earlier ones
-            self.kept[layer] = set(ranked[: self.protect])
+            if layer != self.running:  # a ranking about the running visit is spent
+                self.kept[layer] = set(ranked[: self.protect])
         self.buffered.clear()
 
     def score(self, key: Key) -> float:
