@@ -9,10 +9,13 @@ belady.py; copies per token and wasted predictions at 25 %; the share of the lfr
 and one JSON line. Below the policies, on demand, two rules no
 ``--cache-policy`` runs: ``foresight`` (runtime/cache/foresight.py: the farthest expected next use
 from the routers' rankings, what a running model knows) and MIN seeing only the next 1 / 2 / 4
-tokens (belady.HorizonMinRule, lfru beyond: how much future the gap needs). ``--save FILE`` writes
-the recorded trace (per decode step: routing, the router predictor's ids, both routers' rankings
-(expert ids by logit, best first: the layer's own and the predictor's for the next layer); the
-calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
+tokens or 1 / 2 / 4 layer visits (belady.HorizonMinRule, lfru beyond: how much future the gap
+needs); then the lookahead rule (runtime/cache/lookahead.py: lfru keeping the predicted top experts
+of l+1 / l+2, or of the whole token from next-token rankings, with each ranking's recall).
+``--save FILE`` writes the recorded trace (per decode step: routing, the router predictor's ids,
+the routers' rankings (expert ids by logit, best first: the layer's own, the predictor's for the
+next layer, router_{l+2} on r_l for the one after, and every router on the last token's final
+hidden state and on the new token's embedding); the calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
 
   PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
       [--generate | --chat "Write a short story about a lighthouse keeper."]
