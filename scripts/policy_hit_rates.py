@@ -140,7 +140,7 @@ def _row(rows: dict, name: str, mode: str, results: list, bound: list[float], ba
     rows[f"{name}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound, "gap_closed_vs_lfru": closed,
                               "copies_per_token_25": copies, "wasted_per_token_25": wasted}
     print(f"{name:>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + f"  {copies:6.1f} ({wasted:.1f})  "
-          + " ".join(f"{c:4.0%}" for c in closed))
+          + " ".join("   -" if c != c else f"{c:4.0%}" for c in closed))  # -: MIN not above lfru (prefetch)
 
 
 HORIZONS = (1, 2, 4)  # tokens of future routing a MIN row sees
