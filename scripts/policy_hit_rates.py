@@ -9,10 +9,13 @@ belady.py; copies per token and wasted predictions at 25 %; the share of the lfr
 and one JSON line. Below the policies, on demand, two rules no
 ``--cache-policy`` runs: ``foresight`` (runtime/cache/foresight.py: the farthest expected next use
 from the routers' rankings, what a running model knows) and MIN seeing only the next 1 / 2 / 4
-tokens (belady.HorizonMinRule, lfru beyond: how much future the gap needs). ``--save FILE`` writes
-the recorded trace (per decode step: routing, the router predictor's ids, both routers' rankings
-(expert ids by logit, best first: the layer's own and the predictor's for the next layer); the
-calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
+tokens or 1 / 2 / 4 layer visits (belady.HorizonMinRule, lfru beyond: how much future the gap
+needs); then the lookahead rule (runtime/cache/lookahead.py: lfru keeping the predicted top experts
+of l+1 / l+2, or of the whole token from next-token rankings, with each ranking's recall).
+``--save FILE`` writes the recorded trace (per decode step: routing, the router predictor's ids,
+the routers' rankings (expert ids by logit, best first: the layer's own, the predictor's for the
+next layer, router_{l+2} on r_l for the one after, and every router on the last token's final
+hidden state and on the new token's embedding); the calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
 
   PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
       [--generate | --chat "Write a short story about a lighthouse keeper."]
@@ -81,24 +84,39 @@ def record(tokens: int, prompt: int, generate: bool = False, chat: str | None = 
             return got
 
     om.use_policy(replace(om.policy, predictor=Recorded(om.adapter, om.layer_refs())))
+    # Next-token rankings, made before a token's first layer: every router on the last token's final
+    # hidden state (the lm_head's input), and on the new token's embedding.
+    final: dict[str, torch.Tensor] = {}
+    hook = om.model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: final.__setitem__("h", args[0][0, -1:].detach().clone()))  # [1, H]
+    refs = om.layer_refs()
+
+    def rank_all(state: torch.Tensor) -> dict[int, list[int]]:
+        return {r.layer: _ranked(om.adapter.router_logits(r.block, r.norm(state))) for r in refs}
+
+    next_final, next_embed = [], []
     with torch.inference_mode(), om.recording_routings() as ran:
         last = engine.forward(ids[:prompt], "prefill")
         for i in range(tokens):
             current, current_ranks, current_far = {}, {}, {}
             t = int(torch.argmax(last)) if generate else ids[prompt + i]
+            next_final.append(rank_all(final.pop("h")))
+            next_embed.append(rank_all(om.model.get_input_embeddings()(torch.tensor([t])).reshape(1, -1)))
             last = engine.forward([t], "decode")
             trace.append({layer: r.ids[0].tolist() for layer, r in sorted(ran.items())})
             ranks.append({layer: _ranked(r.logits) for layer, r in sorted(ran.items())})
             preds.append(current)
             pred_ranks.append(current_ranks)
             far_ranks.append(current_far)
+    hook.remove()
     k = om.adapter.top_k()
     total = len(om.store.moe_layers) * om.store.num_experts
     seed = load_seed(path, None, k)
     om.close()
     assert all(len(step) == len(trace[0]) - 1 for step in preds), "the router predicted only some layers"
     return {"top_k": k, "experts": total, "trace": trace, "router": preds, "ranks": ranks,
-            "router_ranks": pred_ranks, "lookahead_ranks": far_ranks, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
+            "router_ranks": pred_ranks, "lookahead_ranks": far_ranks,
+            "next_final_ranks": next_final, "next_embed_ranks": next_embed, "seed": [[layer, e, p] for (layer, e), p in seed.items()]}
 
 
 def _ranked(logits: torch.Tensor) -> list[int]:
@@ -122,7 +140,7 @@ def _row(rows: dict, name: str, mode: str, results: list, bound: list[float], ba
     rows[f"{name}/{mode}"] = {"hit_rate": rates, "min_hit_rate": bound, "gap_closed_vs_lfru": closed,
                               "copies_per_token_25": copies, "wasted_per_token_25": wasted}
     print(f"{name:>9} {mode:>9} " + " ".join(f"{r:5.3f}" for r in rates) + f"  {copies:6.1f} ({wasted:.1f})  "
-          + " ".join(f"{c:4.0%}" for c in closed))
+          + " ".join("   -" if c != c else f"{c:4.0%}" for c in closed))  # -: MIN not above lfru (prefetch)
 
 
 HORIZONS = (1, 2, 4)  # tokens of future routing a MIN row sees
@@ -137,7 +155,7 @@ def _truth(ids: list[int], experts: int) -> list[int]:
 def main() -> None:
     from moespec.config import CachePolicy
     from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
-    from moespec.runtime.cache.eviction import LfruRule, make_rule
+    from moespec.runtime.cache.eviction import NEXT_TOKEN, LfruRule, make_rule
     from moespec.runtime.cache.foresight import ForesightRule
     from moespec.runtime.cache.lookahead import LookaheadRule
     from moespec.runtime.cache.replay import replay
@@ -163,9 +181,9 @@ def main() -> None:
     ahead = _steps(data["router_ranks"]) if "router_ranks" in data else None
     far = _steps(data["lookahead_ranks"]) if "lookahead_ranks" in data else None
 
-    def run(rule, p, slots, ahead=ahead, far=far):
+    def run(rule, p, slots, ahead=ahead, far=far, nxt=None):
         return replay(trace, slots, rule, p, prefetch_slots=k if p else 0, ranks=ranks, predicted_ranks=ahead,
-                      lookahead_ranks=far)
+                      lookahead_ranks=far, next_token_ranks=nxt)
 
     bound = {mode: [run(partial(BeladyRule, trace), p, s).hit_rate() for s in sizes] for mode, p in modes}
     rows = {f"min/{mode}": {"hit_rate": rates} for mode, rates in bound.items()}
@@ -205,6 +223,21 @@ def main() -> None:
             for mode, p in modes[:2]:
                 results = [run(partial(LookaheadRule, seed, k, distances=dist), p, s, a, f) for s in sizes]
                 _row(rows, name, mode, results, bound[mode], base)
+    # Next-token rankings (made before a token's first layer): every router on the last token's final
+    # hidden state, on the new token's embedding, the last token's own routing, and the truth.
+    if "next_final_ranks" in data:
+        kinds = {"final": _steps(data["next_final_ranks"]), "embed": _steps(data["next_embed_ranks"]),
+                 "last": [{}] + ranks[:-1], "truth": truth}
+        for kind, nxt in kinds.items():
+            got = [len(set(step[layer][:k]) & set(ids)) / k for s, step in enumerate(nxt) for layer, ids in trace[s].items()
+                   if layer in step]
+            print(f"next-token ranking {kind:>5}: recall@{k} {sum(got) / max(len(got), 1):.3f}")
+            for protect in (k, 2 * k):
+                name = f"nx{kind[0]}{protect}"
+                rule = partial(LookaheadRule, seed, k, protect=protect, distances=(NEXT_TOKEN,))
+                for mode, p in modes[:2]:
+                    results = [run(rule, p, s, nxt=nxt) for s in sizes]
+                    _row(rows, name, mode, results, bound[mode], base)
     print(json.dumps({"tokens": len(trace), "results": rows}))
 
 

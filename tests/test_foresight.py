@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 
 from moespec.runtime.cache.belady import BeladyRule, HorizonMinRule
-from moespec.runtime.cache.eviction import LfruRule
+from moespec.runtime.cache.eviction import NEXT_TOKEN, LfruRule
 from moespec.runtime.cache.foresight import ForesightRule
 from moespec.runtime.cache.lookahead import LookaheadRule
 from moespec.runtime.cache.replay import replay
@@ -118,3 +118,20 @@ def test_lookahead_ignores_the_distances_it_was_not_given():
     rule.predicted(2, [0, 1, 2, 3], distance=2)
     rule.commit()
     assert rule.victim(_slots((2, 0), (2, 1))).key == (2, 0)  # plain lfru (LRU order on ties)
+
+
+def test_a_next_token_ranking_keeps_its_layer_s_experts_until_its_visit():
+    rule = LookaheadRule(_uniform(3, 4, 1), top_k=1, distances=(NEXT_TOKEN,))
+    for layer in range(3):  # made before layer 0's visit, about this token's layers
+        rule.predicted(layer, [1, 0, 2, 3], distance=NEXT_TOKEN)
+    rule.visit(0)
+    rule.commit()
+    assert rule.kept == {1: {1}, 2: {1}}  # layer 0's is about the running visit: spent
+    slots = _slots((2, 1), (2, 0))
+    assert rule.victim(slots).key == (2, 0)
+    rule.visit(1)
+    rule.commit()
+    assert rule.victim(slots).key == (2, 0)  # layer 2's still held
+    rule.visit(2)
+    rule.commit()
+    assert rule.victim(slots).key == (2, 1)  # its visit came: plain lfru, LRU order

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from moespec.config import CachePolicy
 from moespec.runtime.cache.belady import BeladyRule
-from moespec.runtime.cache.eviction import make_rule
+from moespec.runtime.cache.eviction import NEXT_TOKEN, make_rule
 from moespec.runtime.cache.foresight import ForesightRule
 from moespec.runtime.cache.lookahead import LookaheadRule
 from moespec.runtime.cache.replay import NullEngine, replay
@@ -56,16 +56,19 @@ def test_a_perfect_prediction_never_moves_more_bytes_with_rankings(case, data):
     # A rule that reads the routers' rankings (foresight.py) moves scores only at commit: random
     # rankings of the layer itself and of the next one must not let a prefetch take another slot
     # (with the commit at the start of a visit instead, this finds counterexamples).
-    # The same for the lookahead rule (lookahead.py), which also hears rankings two layers ahead.
+    # The same for the lookahead rule (lookahead.py), which also hears rankings two layers ahead and
+    # rankings of the whole token made before its first layer.
     trace, k, slots, seed, _ = case
     experts = 1 + max(e for _, e in seed)
     order = st.permutations(range(experts)).map(list)
     ranks = [{layer: data.draw(order) for layer in step} for step in trace]
     ahead = [{layer: data.draw(order) for layer in step} for step in trace]
     far = [{layer: data.draw(order) for layer in step} for step in trace]
+    nxt = [{layer: data.draw(order) for layer in step} for step in trace]
     protect = data.draw(st.integers(1, experts))
-    for rule in (partial(ForesightRule, seed, k), partial(LookaheadRule, seed, k, protect=protect)):
-        given_ranks = dict(ranks=ranks, predicted_ranks=ahead, lookahead_ranks=far)
+    lookahead = partial(LookaheadRule, seed, k, protect=protect, distances=(NEXT_TOKEN, 1, 2))
+    for rule in (partial(ForesightRule, seed, k), lookahead):
+        given_ranks = dict(ranks=ranks, predicted_ranks=ahead, lookahead_ranks=far, next_token_ranks=nxt)
         demand = replay(trace, slots, rule, None, prefetch_slots=0, **given_ranks)
         oracle = replay(trace, slots, rule, trace, prefetch_slots=k, **given_ranks)
         assert oracle.copies <= demand.copies

@@ -35,6 +35,7 @@ from moespec.errors import CalibrationError
 from moespec.predict.calibration_file import load_calibration, load_checked
 from moespec.runtime.cache.slot import Key, Slot
 
+NEXT_TOKEN = 0  # the ``distance`` of a ranking made before a token's first layer, about that token's layers
 SEED_TOKENS = 64.0  # pseudo-tokens of calibration evidence behind an lfu count
 LFRU_DECAY = 0.97  # per visit of the layer: a use 23 tokens ago weighs half (tuned: docs/decisions.md)
 
@@ -63,7 +64,8 @@ class EvictionRule:
 
     def predicted(self, layer: int, ranked: list[int], distance: int = 1) -> None:
         """The predictor's logits for ``layer``'s coming visit, as expert ids best first (buffered);
-        ``distance``: MoE layers from the running one to ``layer`` (2: a lookahead prediction)."""
+        ``distance``: MoE layers from the running one to ``layer`` (2: a lookahead prediction;
+        NEXT_TOKEN: made before the token's first layer, from the last token's state)."""
 
     def commit(self) -> None:
         """Apply the buffered rankings (the stream calls it once the running layer's demand copies

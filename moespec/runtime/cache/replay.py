@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from moespec.runtime.cache.eviction import EvictionRule
+from moespec.runtime.cache.eviction import NEXT_TOKEN, EvictionRule
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.cache.stream import stream
@@ -99,7 +99,8 @@ class ReplayResult:
 def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None = None,
            predictions: Trace | None = None, prefetch_slots: int | None = None,
            engine: TransferEngine | None = None, ranks: Trace | None = None,
-           predicted_ranks: Trace | None = None, lookahead_ranks: Trace | None = None) -> ReplayResult:
+           predicted_ranks: Trace | None = None, lookahead_ranks: Trace | None = None,
+           next_token_ranks: Trace | None = None) -> ReplayResult:
     """Run ``trace`` through a fresh ExpertCache of ``num_slots`` slots.
 
     Args:
@@ -115,6 +116,8 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
             a rule may look at a prediction that nothing prefetches).
         lookahead_ranks: per step, layer -> the predictor's expert ids best first for that layer,
             made while the layer two MoE layers before it ran (the rule's ``predicted``, distance 2).
+        next_token_ranks: per step, layer -> a ranking of that layer's experts for this step, made
+            before its first layer (the rule's ``predicted``, distance NEXT_TOKEN).
     """
     cache = ExpertCache(_NullStore(1), num_slots, torch.device("cpu"), engine or NullEngine(), rule, prefetch_slots)
     ledger = PrefetchLedger(cache)
@@ -123,6 +126,8 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
     dropped = 0
     for s, step in enumerate(trace):
         layers = list(step)
+        for layer, ranked in (next_token_ranks[s] if next_token_ranks is not None else {}).items():
+            cache.rule.predicted(layer, ranked, distance=NEXT_TOKEN)
         for i, layer in enumerate(layers):
             ids = step[layer]
             here = stats.setdefault(layer, LayerStats())
