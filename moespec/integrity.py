@@ -254,23 +254,45 @@ def check_bytes(data, hasher, check: Callable[[], bool] | None = None) -> bool:
 
 
 class BackgroundCheck:
-    """:func:`check_bytes` on a second thread, started at once: the whole buffer in one hand-over.
+    """:func:`check_bytes` on a second thread: the whole buffer in one hand-over.
 
-    python-xxhash (>= 3) hashes without the GIL for large inputs and numpy's reductions release it
-    too, so one call over the whole buffer overlaps whatever the caller does next (the dense weights'
-    load), at the hash's full speed from memory (~19 GB/s here). Handing it over chunk by chunk
-    while reading was slower on this 2-core VM (scripts/integrity_cost.py; README, "Files and
-    faults"). Call :meth:`wait` before ``data`` or ``hasher`` is used, and before ``data``'s memory
-    is freed.
+    The thread starts at construction and waits for :meth:`submit` (or :meth:`cancel`), so a caller
+    can start it before its read and the thread's start-up (~0.2 ms on this VM) overlaps the read
+    instead of following it. python-xxhash (>= 3) hashes without the GIL for large inputs and
+    numpy's reductions release it too, so one call over the whole buffer overlaps whatever the
+    caller does next (the dense weights' load), at the hash's full speed from memory (~19 GB/s
+    here). Handing it over chunk by chunk while reading was slower on this 2-core VM
+    (scripts/integrity_cost.py; README, "Files and faults"). Call :meth:`wait` before ``data`` or
+    ``hasher`` is used, and before ``data``'s memory is freed.
     """
 
-    def __init__(self, data, hasher, check: Callable[[], bool] | None = None) -> None:
-        self._args = (data, hasher, check)
+    def __init__(self) -> None:
+        self._args: tuple | None = None
+        self._ready = threading.Event()
         self._accepted, self._error = False, None
         self._thread = threading.Thread(target=self._run, name="moespec-hash", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def run(cls, data, hasher, check: Callable[[], bool] | None = None) -> BackgroundCheck:
+        """Start the thread and hand it ``data`` at once."""
+        job = cls()
+        job.submit(data, hasher, check)
+        return job
+
+    def submit(self, data, hasher, check: Callable[[], bool] | None = None) -> None:
+        """Hand the thread its work (once): ``hasher.update(data)``, then ``check()``."""
+        self._args = (data, hasher, check)
+        self._ready.set()
+
+    def cancel(self) -> None:
+        """End the thread without work (the read failed); :meth:`wait` then returns False."""
+        self._ready.set()
+
     def _run(self) -> None:
+        self._ready.wait()
+        if self._args is None:
+            return
         try:
             self._accepted = check_bytes(*self._args)
         except BaseException as exc:  # re-raised in the waiting thread

@@ -105,7 +105,7 @@ def test_the_check_runs_on_a_second_thread_and_reraises_there():
         return True
 
     h, ref = new_hasher(), new_hasher()
-    job = BackgroundCheck(data, h, check)
+    job = BackgroundCheck.run(data, h, check)
     assert job.wait() and job.wait() and seen == ["moespec-hash"]
     ref.update(data)
     assert h.hexdigest() == ref.hexdigest()
@@ -113,7 +113,10 @@ def test_the_check_runs_on_a_second_thread_and_reraises_there():
     def broken() -> bool:
         raise ValueError("bad")
 
-    job = BackgroundCheck(data, None, broken)
+    job = BackgroundCheck.run(data, None, broken)
     for _ in range(2):
         with pytest.raises(ValueError, match="bad"):
             job.wait()
+    idle = BackgroundCheck()  # started before a read that then failed: ends without work
+    idle.cancel()
+    assert idle.wait() is False

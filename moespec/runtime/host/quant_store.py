@@ -97,20 +97,31 @@ class QuantStoreCache:
             pending = self.start_load(store)
             return pending is not None and pending.wait()
         read = self._read(store)
-        return read is not None and PendingLoad(*read, inline=True).wait()
+        return read is not None and PendingLoad(*read).wait()
 
     def start_load(self, store: ExpertStore) -> PendingLoad | None:
         """Read the rows into ``store.buffer`` and return while they are still being checked.
 
         The rows are read straight into the buffer (integrity.read_into, one copy), then the whole
-        buffer goes to a second thread in one hand-over (integrity.BackgroundCheck): XXH3-128 (the
-        file's digest) and NaN/Inf in the scales, overlapped with whatever the caller does until
-        :meth:`PendingLoad.wait` (e.g. loading the dense weights). Only the scales can be NaN: the
-        packed integer weights cannot. Returns None when the file is absent, stale or unreadable
-        (nothing started). The buffer must not be used, or freed, before ``wait()``.
+        buffer goes to a second thread in one hand-over (integrity.BackgroundCheck, started before
+        the read so that its start-up overlaps it): XXH3-128 (the file's digest) and NaN/Inf in the
+        scales, overlapped with whatever the caller does until :meth:`PendingLoad.wait` (e.g. loading
+        the dense weights). Only the scales can be NaN: the packed integer weights cannot. Returns
+        None when the file is absent, stale or unreadable (nothing left running). The buffer must
+        not be used, or freed, before ``wait()``.
         """
-        read = self._read(store)
-        return None if read is None else PendingLoad(*read)
+        from moespec.integrity import BackgroundCheck
+
+        if not self.path.is_file():
+            return None
+        job = BackgroundCheck()  # started before the read: its start-up overlaps the read
+        read = None
+        try:
+            read = self._read(store)
+        finally:
+            if read is None:
+                job.cancel()
+        return None if read is None else PendingLoad(*read, job=job)
 
     def _read(self, store: ExpertStore):
         """(the buffer's bytes, a hasher fed the tensor's header, the scales check, the digest
@@ -205,14 +216,15 @@ class PendingLoad:
 
     Args:
         data: the buffer's bytes; hasher: fed the tensor's header already; check: the scales check;
-        want: the digest the file records; inline: check in :meth:`wait` instead of on a thread.
+        want: the digest the file records; job: a started integrity.BackgroundCheck that is handed
+        the work now (None: checked inline in :meth:`wait`).
     """
 
-    def __init__(self, data, hasher, check, want: str, inline: bool = False) -> None:
-        from moespec.integrity import BackgroundCheck
-
+    def __init__(self, data, hasher, check, want: str, job=None) -> None:
         self._data, self._hasher, self._check, self._want = data, hasher, check, want
-        self._thread = None if inline else BackgroundCheck(data, hasher, check)
+        self._thread = job
+        if job is not None:
+            job.submit(data, hasher, check)
         self._result: bool | None = None
 
     def wait(self) -> bool:
