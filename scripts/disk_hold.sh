@@ -4,7 +4,7 @@
 # Run it under the exclusive lock, one round (<= 8 min) per hold; ratios are quoted within a hold.
 #
 #   scripts/disk_hold.sh MODEL CAP HOST OFFLOAD OUT.jsonl      e.g. /tmp/q30 2G 1GiB /tmp/q30-acc hold.jsonl
-#   ROUND=2 ... (the arms in the opposite order)   ARMS="router none" ... (a subset, in this order)
+#   ROUND=2 ... (the arms in the opposite order)   ARMS="router none router#2" ... (these, in this order)
 #   python scripts/disk_hold_table.py OUT.jsonl     (the table: TPOT, floor, shares, peaks)
 #
 # Arms: reader (the store file read alone, 8 reads in flight: the O_DIRECT GB/s of the disk floor),
@@ -43,7 +43,7 @@ echo "$CAP" > "$CG/memory.limit_in_bytes"
 
 arm_args() {  # the bench's arguments of arm $1
   local common=(--host-memory "$HOST" --tokens "$TOKENS" --embed-scale "$SCALE" --expert-dtype "$DTYPE")
-  case "$1" in
+  case "${1%%#*}" in  # router#2: router again, its own row
     reader) echo reader "$MODEL" --inflight 8 --seconds 5 --expert-dtype "$DTYPE" ;;
     router) echo arm "$MODEL" --predictor router "${common[@]}" ;;
     router-np) echo arm "$MODEL" --predictor router --no-kept-promote "${common[@]}" ;;
