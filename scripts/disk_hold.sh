@@ -4,12 +4,12 @@
 # Run it under the exclusive lock, one round (<= 8 min) per hold; ratios are quoted within a hold.
 #
 #   scripts/disk_hold.sh MODEL CAP HOST OFFLOAD OUT.jsonl      e.g. /tmp/q30 2G 1GiB /tmp/q30-acc hold.jsonl
-#   ROUND=2 ... (the arms in the opposite order)   ARMS="router none" ... (a subset, in this order)
+#   ROUND=2 ... (the arms in the opposite order)   ARMS="router none router#2" ... (these, in this order)
 #   python scripts/disk_hold_table.py OUT.jsonl     (the table: TPOT, floor, shares, peaks)
 #
 # Arms: reader (the store file read alone, 8 reads in flight: the O_DIRECT GB/s of the disk floor),
 # router (router prefetch), router-np / router-nc (the same without promoting kept prefetches /
-# without cutting started wrong ones), none (on-demand
+# without cutting started wrong ones), router-r32 / none-r32 (32 reader threads), none (on-demand
 # reads), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
 # + accelerate's disk offload of the experts; its folder written once by
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
@@ -43,16 +43,19 @@ echo "$CAP" > "$CG/memory.limit_in_bytes"
 
 arm_args() {  # the bench's arguments of arm $1
   local common=(--host-memory "$HOST" --tokens "$TOKENS" --embed-scale "$SCALE" --expert-dtype "$DTYPE")
-  case "$1" in
+  case "${1%%#*}" in  # router#2: router again, its own row
     reader) echo reader "$MODEL" --inflight 8 --seconds 5 --expert-dtype "$DTYPE" ;;
     router) echo arm "$MODEL" --predictor router "${common[@]}" ;;
     router-np) echo arm "$MODEL" --predictor router --no-kept-promote "${common[@]}" ;;
     router-nc) echo arm "$MODEL" --predictor router --no-cut "${common[@]}" ;;
     none) echo arm "$MODEL" --predictor none "${common[@]}" ;;
+    router-r32) echo arm "$MODEL" --predictor router --readers 32 "${common[@]}" ;;
+    none-r32) echo arm "$MODEL" --predictor none --readers 32 "${common[@]}" ;;
+    reader-32) echo reader "$MODEL" --inflight 32 --seconds 5 --expert-dtype "$DTYPE" ;;
     mmap) echo arm "$MODEL" --predictor none --host-memory "$MMAP_ROWS" --disk-reads mmap --tokens "$TOKENS" \
             --embed-scale "$SCALE" --expert-dtype "$DTYPE" ;;
     accelerate) echo accelerate "$MODEL" --offload "$OFFLOAD" --tokens "$ACC_TOKENS" ;;
-    *) echo "error: unknown arm $1 (reader router router-np router-nc none mmap accelerate)" >&2; return 2 ;;
+    *) echo "error: unknown arm $1 (reader reader-32 router router-np router-nc router-r32 none none-r32 mmap accelerate)" >&2; return 2 ;;
   esac
 }
 

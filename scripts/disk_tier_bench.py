@@ -92,6 +92,12 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     from moespec.runtime.load import load_offloaded
     from moespec.runtime.stats import StatsRecorder, summarize
 
+    tune = tune or {}
+    if tune.get("readers"):  # reads in flight: the loader's disk reader with that many threads
+        from moespec.runtime import disk_tier
+
+        make = disk_tier.make_engine
+        disk_tier.make_engine = lambda store, readers=None: make(store, tune["readers"])
     t0 = time.perf_counter()
     host = None if host_memory == "auto" else parse_bytes(host_memory)  # auto: the loader's default (disk_tier.py)
     cfg = RuntimeConfig(predictor=Predictor(predictor), host_memory_bytes=host, disk_reads=disk_reads,
@@ -99,7 +105,6 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     om = load_offloaded(folder, cfg, StatsRecorder())
     load_s = time.perf_counter() - t0
     structure_routing(om, embed_scale)
-    tune = tune or {}
     engine = om.cache.engine
     if tune.get("chunk_mib"):
         engine.chunk_bytes = int(tune["chunk_mib"] * 2**20)
@@ -288,6 +293,7 @@ def main() -> None:
     a.add_argument("--torch-threads", type=int)
     a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
     a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
+    a.add_argument("--readers", type=int, help="the disk reader's threads (reads in flight; default 8)")
     hp = sub.add_parser("accelerate-prep")
     hp.add_argument("folder", type=Path)
     hp.add_argument("--offload", type=Path, required=True)
@@ -308,7 +314,7 @@ def main() -> None:
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
              "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
-             "cut": not args.no_cut}, args.expert_dtype)
+             "cut": not args.no_cut, "readers": args.readers}, args.expert_dtype)
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":
