@@ -45,9 +45,10 @@ def _raw(x: torch.Tensor, w, act_int8: bool = False) -> torch.Tensor:
 
 
 # short last groups (80 = 64 + 16, 176 = 128 + 48), one group of 16 (g > C), int8 activations' 64 / 32 / 16
-# column steps (208 = 3 * 64 + 16, 112 = 64 + 48), odd row counts, the Qwen3 and GPT-OSS widths
+# column steps (208 = 3 * 64 + 16, 112 = 64 + 48), odd row counts, the Qwen3 and GPT-OSS widths; int4
+# chunks of 128 columns with groups of 256 (640) and a 16-column tail (400 = 3 * 128 + 16)
 SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128), (7, 208, 64), (11, 176, 128),
-          (5, 112, 64), (3, 768, 32), (4, 2880, 64)]
+          (5, 112, 64), (3, 768, 32), (4, 2880, 64), (5, 640, 256), (3, 400, 32)]
 
 
 @needs_512
