@@ -1,7 +1,9 @@
 """The disk reader's chunks and priorities (runtime/transfer/disk.py).
 
 A row read in chunks lands byte-identical to one read whole; no prefetch chunk starts while a
-demand chunk runs; a prefetch compute waits for goes with the demand reads.
+demand chunk runs; a prefetch compute waits for goes with the demand reads; a kept prefetch is
+promoted ahead of its layer's misses; a started wrong prefetch is cut (its unstarted chunks
+dropped, its bytes uncounted, its slot empty and read again whole).
 """
 
 from __future__ import annotations
