@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     isas = [v for v in args.isa.split(",") if v] or [native.current_isa() or "-"]
     if status.lib is not None and "avx512" in isas and status.isa != "avx512":
         ap.error(f"--isa avx512: {status.isa_note}")
-    print(f"kernels: {'native (moespec/kernels/csrc), ' + (status.isa_note or status.isa) if status.lib else status.note}")
+    print(f"kernels: {'native (moespec/kernels/csrc)' if status.lib else status.note}")
+    if status.lib is not None:
+        print(f"isa: {status.isa_note or status.isa}")
     print(f"cpu: {platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}")
     rows, mem_cache = [], {}
     head = (f"{'shape':7} {'rows':9} {'isa':6} {'t':>3} {'thr':>3} {'ms/expert':>9} {'row GB/s':>8} "
