@@ -7,6 +7,7 @@ the tests assert states and orderings, never durations.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -58,7 +59,8 @@ def test_four_at_once_match_sequential_and_fifth_gets_429(tiny_models):
         for t in threads:
             t.join(timeout=300)
         assert got == sequential
-        assert queue.counts() == (0, 0)
+        # The worker tidies up after the answers went out: it is idle soon after, not at once.
+        wait_until(lambda: queue.counts() == (0, 0), "idle")
         assert _ask(client, name, "one") == sequential["one"]  # still serving
 
 
@@ -130,3 +132,31 @@ def test_disconnect_mid_stream_stops_at_the_next_token(tiny_models):
         print(f"disconnect -> worker free: {(time.perf_counter() - t0) * 1e3:.0f} ms; "
               f"generated {job.tokens_at_stop} of 200 tokens, {job.tokens_at_stop - job.tokens_at_cancel} after the "
               f"cancel")
+
+
+def test_an_answered_job_no_longer_counts_as_running():
+    """A job that emitted its answer no longer counts for admission, even while the worker tidies up
+    after it: a client that asks again at once is admitted at --max-queue 0 (it was refused 429)."""
+    from moespec.serve.queue import GenerationQueue, Job, QueueFull
+
+    loop = asyncio.new_event_loop()
+    answered, tidy = threading.Event(), threading.Event()
+
+    def work(job):
+        job.emit("done", [])
+        answered.set()
+        tidy.wait(30)  # the worker is still inside the job after the client has its answer
+
+    queue = GenerationQueue(max_waiting=0)
+    try:
+        queue.submit(Job(work=work, loop=loop))
+        assert answered.wait(30)
+        assert queue.counts() == (1, 0)  # the worker is still inside the answered job
+        queue.submit(Job(work=lambda job: job.emit("done", []), loop=loop))  # admitted, not QueueFull
+        assert queue.counts() == (1, 1)
+        with pytest.raises(QueueFull):
+            queue.submit(Job(work=lambda job: None, loop=loop))
+    finally:
+        tidy.set()
+        queue.close()
+        loop.close()

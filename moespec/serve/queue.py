@@ -47,6 +47,8 @@ class Job:
         tokens_at_cancel: ``tokens`` when the cancel was requested (None: never cancelled).
         tokens_at_stop: ``tokens`` when the worker stopped generating.
         closed: the server shut down under this job (its answer is incomplete: 503).
+        answered: its last event ("done" or "error") was emitted: admission no longer counts it,
+            though the worker may still be tidying up after it (``counts`` still shows it running).
     """
 
     work: Callable[["Job"], None]
@@ -59,9 +61,14 @@ class Job:
     tokens_at_cancel: Optional[int] = None
     tokens_at_stop: Optional[int] = None
     closed: bool = False
+    answered: bool = False
 
     def emit(self, kind: str, payload: object) -> None:
         """Deliver an event to the request (any thread)."""
+        if kind in ("done", "error"):
+            # Why before the delivery: a client that has its answer may ask again at once; the
+            # queue's admission must not count this job then (a spurious 429 at --max-queue 0).
+            self.answered = True
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the loop is closed: nobody listens any more
@@ -93,6 +100,10 @@ class GenerationQueue:
         with self._cv:
             return int(self.running is not None), len(self._waiting)
 
+    def _busy_running(self) -> bool:
+        """A job runs and has not yet been answered (call with ``_cv`` held)."""
+        return self.running is not None and not self.running.answered
+
     def submit(self, job: Job) -> None:
         """Append ``job`` to the queue.
 
@@ -105,7 +116,7 @@ class GenerationQueue:
                 raise QueueClosed()
             # Why count the running job too: a job that arrived together with others must not be
             # refused only because the worker has not yet taken the first one off the queue.
-            busy = len(self._waiting) + (self.running is not None)
+            busy = len(self._waiting) + self._busy_running()
             if busy >= self.max_waiting + 1:
                 raise QueueFull(len(self._waiting), max(1, math.ceil(self._mean_s * busy)))
             self._waiting.append(job)
