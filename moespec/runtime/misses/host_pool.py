@@ -64,15 +64,16 @@ class HostResult:
 
 @dataclass
 class HostJob:
-    """A submitted host computation: the expert, the bytes it moves both ways, its future, its
-    place in the future's batch (``index``; None: the future holds this job alone) and the batch
-    (``batch``: its units the caller may run itself; None: nothing to help with)."""
+    """A submitted host computation: the expert, the bytes it moves both ways, its batch's future
+    (a list of ExpertDone, moespec.kernels.expert_batch), its place in that list (``index``), its
+    tokens t, and the batch (``batch``: its units the caller may run itself; None: only wait)."""
 
     expert: int
     d2h_bytes: int
     h2d_bytes: int
     future: Future
-    index: int | None = None
+    index: int
+    tokens: int
     batch: ExpertBatch | None = None
 
     def result(self) -> HostResult:
@@ -83,8 +84,8 @@ class HostJob:
         (its own) has nothing to do."""
         if self.batch is not None and not self.future.done():
             self.batch.run()
-        got = self.future.result()
-        return got if self.index is None else got[self.index]
+        d = self.future.result()[self.index]
+        return HostResult(raw=d.y, start=d.start, end=d.end, tokens=self.tokens, busy_s=d.busy_s)
 
 
 def host_forward(layout: ExpertLayout, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
@@ -183,7 +184,7 @@ class HostExpertPool:
         a queue hand-off cost 0.15-0.3 ms, as much as a decode expert, so never one per expert).
 
         Returns:
-            One HostJob per item, in ``items`` order, all on the batch's future; d2h/h2d bytes are
+            One HostJob per item, in ``items`` order, all on the batch's one future; d2h/h2d bytes are
             t x H x itemsize each.
         """
         if not items:
@@ -192,19 +193,9 @@ class HostExpertPool:
         batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, self.threads)
         for _ in range(min(self.threads, batch.num_units)):
             self._pool.submit(batch.run)
-        future: Future = Future()
-
-        def done(f: Future) -> None:  # ExpertDone -> HostResult, once, when the batch resolves
-            exc = f.exception()
-            if exc is not None:
-                future.set_exception(exc)
-                return
-            future.set_result([HostResult(raw=d.y, start=d.start, end=d.end, tokens=x.shape[0], busy_s=d.busy_s)
-                               for d, (_, x) in zip(f.result(), items)])
-
-        batch.future.add_done_callback(done)
-        return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), future, i,
-                        batch if self.caller_helps else None)
+        helper = batch if self.caller_helps else None
+        return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), batch.future, i,
+                        x.shape[0], helper)
                 for i, (e, x) in enumerate(items)]
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:
