@@ -95,8 +95,14 @@ def make_store(fmt: str, hidden: int, inter: int, k: int, seed: int = 0) -> tupl
 
 
 def time_pool(store: ExpertStore, dtype: torch.dtype, tokens: int, threads: int, k: int, reps: int,
-              split: Split, reference: bool = False) -> float:
-    """Median ms per expert over ``reps`` passes over every expert, k experts per dispatch."""
+              split: Split, path: str = "kernels") -> float:
+    """Median ms per expert over ``reps`` passes over every expert, k experts per dispatch.
+
+    ``path``: "kernels" (the host pool), "reference" (dequantise, then F.linear, on the calling
+    thread) or "direct" (the pool's own per-expert forward, called on the calling thread: the pool's
+    overhead is kernels - direct at one thread), "waits" (the host pool, the caller only waiting:
+    HostExpertPool(caller_helps=False))."""
+    reference = path == "reference"
     act = torch.nn.functional.silu
     n = store.num_experts
     x = torch.randn(tokens, store.layout.hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -114,8 +120,18 @@ def time_pool(store: ExpertStore, dtype: torch.dtype, tokens: int, threads: int,
                     w1, w2 = layout.linear_weights(store.expert(0, e))
                     h = layout.act_and_mul(kl.linear_reference(xe, w1), act)
                     kl.linear_reference(h, w2)
+    elif path == "direct":  # the layout's forward, as a pool unit runs it, without the pool
+        layout = store.layout
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        reference = True  # restore the thread count below
+
+        def one_pass() -> None:
+            for batch in batches:
+                for e, xe in batch:
+                    layout.forward(xe, store.expert(0, e), act)
     else:
-        pool = HostExpertPool(store, torch.device("cpu"), threads, split)
+        pool = HostExpertPool(store, torch.device("cpu"), threads, split, caller_helps=path != "waits")
 
         def one_pass() -> None:
             for batch in batches:
@@ -153,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-dispatch", type=int, default=0,
                     help="experts per dispatch (default: the shape's top-k, 8 or 4)")
     ap.add_argument("--reference", action="store_true", help="also time the slow reference at one thread")
+    ap.add_argument("--direct", action="store_true",
+                    help="also time the experts' forward on the calling thread, no pool (its overhead)")
+    ap.add_argument("--waits", action="store_true",
+                    help="also time the pool with a caller that only waits (caller_helps=False)")
     ap.add_argument("--isa", default="", help="kernel instruction sets to compare (comma list of avx2, avx512; "
                     "default: the one in use)")
     args = ap.parse_args(argv)
@@ -176,25 +196,29 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in args.formats.split(","):
             store, dtype = make_store(fmt, hidden, inter, k)
             row_bytes = store.expert_bytes
-            arms = [(threads, False, isa) for threads in _ints(args.threads) for isa in isas]
+            arms = [(threads, "kernels", isa) for threads in _ints(args.threads) for isa in isas]
+            if args.waits:
+                arms = [(t, p, i) for t, _, i in arms for p in ("waits", "kernels")]
+            if args.direct:
+                arms.insert(0, (1, "direct", isas[0]))
             if args.reference and fmt not in ("w8a8", "w4a8"):
-                arms.insert(0, (1, True, "-"))
-            for threads, ref, isa in arms:
+                arms.insert(0, (1, "reference", "-"))
+            for threads, path, isa in arms:
                 for tokens in _ints(args.tokens):
                     mem = memory_read_gbs(threads)
                     mem_cache.setdefault(threads, []).append(mem)
                     before = native.set_isa(isa) if isa in native.ISAS else None
                     try:
-                        ms = time_pool(store, dtype, tokens, threads, k, args.reps, Split(args.split), ref)
+                        ms = time_pool(store, dtype, tokens, threads, k, args.reps, Split(args.split), path)
                     finally:
                         if before is not None:
                             native.set_isa(before)
                     gbs = row_bytes / ms / 1e6
-                    name = fmt + (" ref" if ref else "")
+                    name = fmt + {"reference": " ref", "direct": " dir", "waits": " wait", "kernels": ""}[path]
                     print(f"{shape:7} {name:9} {isa:6} {tokens:3d} {threads:3d} {ms:9.3f} {gbs:8.1f} {mem:8.1f} "
                           f"{gbs / mem:5.0%}", flush=True)
                     rows.append({"shape": shape, "hidden": hidden, "intermediate": inter, "format": fmt,
-                                 "path": "reference" if ref else "kernels", "isa": isa, "tokens": tokens,
+                                 "path": path, "isa": isa, "tokens": tokens,
                                  "threads": threads, "ms_per_expert": round(ms, 4), "row_bytes": row_bytes,
                                  "row_gbs": round(gbs, 2), "memory_read_gbs": round(mem, 2),
                                  "share": round(gbs / mem, 3)})

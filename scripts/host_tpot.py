@@ -7,7 +7,8 @@ computed by the host pool from its store row; ``hostNxT``: with ``--host-threads
 every expert resident (the CPU slots, no misses); EXPERT_DTYPE as ``--expert-dtype`` (auto = the
 checkpoint's float32 on the default model; ``zero``: float32 rows whose experts return zeros, the
 TPOT of everything but the routed experts' compute, so ``X/all:auto`` can go no lower than
-``all:zero/all:auto`` by faster expert kernels alone).
+``all:zero/all:auto`` by faster expert kernels alone). A third field ``:wait`` (``host8:int4:wait``):
+the decode thread only waits for the host pool's results instead of running the queued units itself.
 Every arm is loaded once in this one process (CPU, --predictor none, LRU, torch on one thread, the
 host pool on its default threads, --execute exact); each decode step runs once on each arm, the
 order rotating every step, so a burst of load on a shared machine hits all arms alike. Each round
@@ -34,7 +35,7 @@ def _load(model: str, arm: str, host_threads: int | None):
     from moespec.runtime.engine import Engine
     from moespec.runtime.load import load_offloaded
 
-    cache, expert_dtype = arm.split(":")
+    cache, expert_dtype, *mode = arm.split(":")
     zero = expert_dtype == "zero"
     expert_dtype = "auto" if zero else expert_dtype
     host = cache.startswith("host")
@@ -52,6 +53,8 @@ def _load(model: str, arm: str, host_threads: int | None):
         layout = om.store.layout
         kind = type("ZeroExperts", (type(layout),), {"forward": lambda self, x, row, act: torch.zeros_like(x)})
         om.store.layout = kind(**{f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)})
+    if mode == ["wait"]:  # the decode thread only waits for the host pool (it runs no queued unit)
+        om.planner.pool.caller_helps = False
     return Engine(om, reuse_kv=False)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from moespec.errors import OptionError
-from moespec.kernels.expert_batch import ExpertBatch, ExpertJob, Split
+from moespec.kernels.expert_batch import ExpertBatch, ExpertJob, Split, choose_split
 from moespec.models.base import ExpertLayout
 from moespec.runtime.host.store import ExpertStore
 
@@ -64,19 +64,28 @@ class HostResult:
 
 @dataclass
 class HostJob:
-    """A submitted host computation: the expert, the bytes it moves both ways, its future, and its
-    place in the future's batch (``index``; None: the future holds this job alone)."""
+    """A submitted host computation: the expert, the bytes it moves both ways, its batch's future
+    (a list of ExpertDone, moespec.kernels.expert_batch), its place in that list (``index``), its
+    tokens t, and the batch (``batch``: its units the caller may run itself; None: only wait)."""
 
     expert: int
     d2h_bytes: int
     h2d_bytes: int
     future: Future
-    index: int | None = None
+    index: int
+    tokens: int
+    batch: ExpertBatch | None = None
 
     def result(self) -> HostResult:
-        """Wait for the host to finish (re-raises what the worker raised)."""
-        got = self.future.result()
-        return got if self.index is None else got[self.index]
+        """Wait for the host to finish (re-raises what the worker raised).
+
+        The caller first runs the batch's units no worker has taken yet (ExpertBatch.run on this
+        thread), so it waits only for units already running, never for a queued one while a core
+        (its own) has nothing to do."""
+        if self.batch is not None and not self.future.done():
+            self.batch.run()
+        d = self.future.result()[self.index]
+        return HostResult(raw=d.y, start=d.start, end=d.end, tokens=self.tokens, busy_s=d.busy_s)
 
 
 def host_forward(layout: ExpertLayout, x: torch.Tensor, row: torch.Tensor, act) -> torch.Tensor:
@@ -117,13 +126,18 @@ class HostExpertPool:
         threads: worker threads (>= 1).
         split: how a layer's batch is cut over the workers (by experts, by output rows, or AUTO).
 
+        caller_helps: a thread waiting for a result first runs the batch's units no worker has
+            taken (HostJob.result); False: it only waits (the workers alone compute).
+
     Raises:
         OptionError: ``threads`` < 1 (names --host-threads).
     """
 
-    def __init__(self, store: ExpertStore, device: torch.device, threads: int, split: Split = Split.AUTO) -> None:
+    def __init__(self, store: ExpertStore, device: torch.device, threads: int, split: Split = Split.AUTO,
+                 caller_helps: bool = True) -> None:
         if threads < 1:
             raise OptionError(f"--host-threads {threads} must be at least 1")
+        self.caller_helps = caller_helps
         self.store = store
         self.device = device
         self.threads = threads
@@ -147,11 +161,13 @@ class HostExpertPool:
         for f in [self._pool.submit(ready.wait) for _ in range(self.threads)]:
             f.result()
 
-    def _job(self, layer: int, x: torch.Tensor, expert: int, act) -> ExpertJob:
-        """The batch job of one expert: its store row's Linear-shaped weights (or the layout's own
-        forward), the d2h of its tokens and the h2d of its output, both on the worker."""
+    def _job(self, layer: int, x: torch.Tensor, expert: int, act, rows: bool = True) -> ExpertJob:
+        """The batch job of one expert: its store row's Linear-shaped weights (only when the batch
+        may cut it by ``rows``: an expert unit runs the layout's own forward, and building the
+        weight views cost 13-20 us an expert, 5 % of an int4 expert here), the d2h of its tokens and
+        the h2d of its output, both on the worker."""
         layout, row = self.store.layout.for_layer(layer), self.store.expert(layer, expert)
-        weights = layout.linear_weights(row)  # None: the layout computes itself (GPT-OSS)
+        weights = layout.linear_weights(row) if rows else None  # None: the layout's forward (GPT-OSS: always)
         # Why on the worker: a d2h copy blocks until the device produced x; only this worker waits.
         load = (lambda t: t) if x.device.type == "cpu" else (lambda t: t.to("cpu"))  # [t, H] d2h
         store = (lambda y: y) if self.device.type == "cpu" else (lambda y: y.to(self.device))  # [t, H] h2d
@@ -168,26 +184,18 @@ class HostExpertPool:
         a queue hand-off cost 0.15-0.3 ms, as much as a decode expert, so never one per expert).
 
         Returns:
-            One HostJob per item, in ``items`` order, all on the batch's future; d2h/h2d bytes are
+            One HostJob per item, in ``items`` order, all on the batch's one future; d2h/h2d bytes are
             t x H x itemsize each.
         """
         if not items:
             return []
-        batch = ExpertBatch([self._job(layer, x, e, act) for e, x in items], self.split, self.threads)
+        rows = choose_split(self.split, len(items), self.threads) == Split.ROWS
+        batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, self.threads)
         for _ in range(min(self.threads, batch.num_units)):
             self._pool.submit(batch.run)
-        future: Future = Future()
-
-        def done(f: Future) -> None:  # ExpertDone -> HostResult, once, when the batch resolves
-            exc = f.exception()
-            if exc is not None:
-                future.set_exception(exc)
-                return
-            future.set_result([HostResult(raw=d.y, start=d.start, end=d.end, tokens=x.shape[0], busy_s=d.busy_s)
-                               for d, (_, x) in zip(f.result(), items)])
-
-        batch.future.add_done_callback(done)
-        return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), future, i)
+        helper = batch if self.caller_helps else None
+        return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), batch.future, i,
+                        x.shape[0], helper)
                 for i, (e, x) in enumerate(items)]
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:
