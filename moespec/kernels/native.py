@@ -52,6 +52,8 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                      _I, _I, _I, _P]),
+    "experts_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I, _I,
+                                      _I, _I, _I, _I, _I, _I, _P]),
     "cpu_isa": (ctypes.c_int, [ctypes.c_int]),
     # spin.c: bound weights and the spinning row pool (kernels/spin.py)
     "spin_bind": (_P, [ctypes.c_int, _P, _P, _P, _I, _I, _I]),
