@@ -57,6 +57,26 @@ def test_one_call_over_slots_equals_one_call_per_expert(fmt, tokens):
         assert torch.equal(got[j], swiglu_expert(x, slots[r], layout, torch.nn.functional.silu)), (fmt, r)
 
 
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_experts_shared_with_the_spin_pool_equal_the_serial_call(fmt):
+    """Inside a thread-plan step (a SpinPool active) the experts go one per chunk to the workers and
+    the caller: the same values, every time (repeated: whichever thread takes which expert)."""
+    from moespec.kernels import spin
+
+    layout, slots, dtype = _slots(fmt, 8)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(10)).to(dtype)
+    rows, silu = [7, 1, 3, 0, 6], torch.nn.functional.silu
+    want = swiglu_experts(x, slots, rows, layout, silu)
+    pool = spin.SpinPool(1)
+    try:
+        with spin.using(pool):
+            got = [swiglu_experts(x, slots, rows, layout, silu) for _ in range(20)]
+    finally:
+        pool.close()
+    assert all(torch.equal(g, want) for g in got)
+
+
 def test_forward_many_takes_the_per_expert_reference_where_the_kernel_does_not_apply():
     """Another activation (no one-call kernel): forward per row, the same values."""
     layout, slots, _ = _slots("float32", 4)

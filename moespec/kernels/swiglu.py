@@ -23,7 +23,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from moespec.kernels import native
+from moespec.kernels import native, spin
 from moespec.kernels.linear import FUSED_MAX_TOKENS, FUSED_MAX_TOKENS_F32
 
 
@@ -84,7 +84,9 @@ def swiglu_experts(x: torch.Tensor, slots: torch.Tensor, rows: list[int], layout
     apply (then :func:`swiglu_expert` does not either; the caller takes the per-expert path).
 
     Equal bit for bit to ``swiglu_expert(x, slots[r], layout, act)`` for each r (the same C code per
-    expert); tests/test_expert_rows.py compares them.
+    expert); tests/test_expert_rows.py compares them. Within a decode step of the thread plan the
+    experts are shared, one per chunk, with the step's spinning workers (kernels/spin.py; csrc/spin.c
+    ``spin_experts``), each still computed whole by one thread, so the values do not change.
 
     Args:
         x: [t, H] tokens on the CPU; slots: [S, P] packed rows (the expert cache's slots, CPU);
@@ -99,9 +101,10 @@ def swiglu_experts(x: torch.Tensor, slots: torch.Tensor, rows: list[int], layout
     y = torch.empty(n, t, layout.hidden)  # [n, t, H] float32
     index = (ctypes.c_int64 * n)(*rows)
     stride = slots.stride(0) * slots.element_size()  # bytes from one slot to the next
-    rc = lib.experts_swiglu(kind, int(layout.act_int8), int(x.dtype == torch.bfloat16), x32.data_ptr(), t,
-                            slots.data_ptr(), stride, index, n, *offsets, layout.hidden, layout.intermediate,
-                            group, y.data_ptr())
+    args = (kind, int(layout.act_int8), int(x.dtype == torch.bfloat16), x32.data_ptr(), t, slots.data_ptr(), stride,
+            index, n, *offsets, layout.hidden, layout.intermediate, group, y.data_ptr())
+    pool = spin.active()  # a decode step's spinning workers (runtime/threads.py): one expert per chunk
+    rc = lib.spin_experts(pool._handle, *args) if pool is not None else lib.experts_swiglu(*args)
     if rc != 0:
         raise MemoryError("the CPU expert kernel could not allocate its scratch memory")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
