@@ -52,6 +52,8 @@ _SIGNATURES = {
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                      _I, _I, _I, _P]),
+    "experts_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I, _I,
+                                      _I, _I, _I, _I, _I, _I, _P]),
     "cpu_isa": (ctypes.c_int, [ctypes.c_int]),
     # spin.c: bound weights and the spinning row pool (kernels/spin.py)
     "spin_bind": (_P, [ctypes.c_int, _P, _P, _P, _I, _I, _I]),
@@ -59,6 +61,8 @@ _SIGNATURES = {
     "spin_pool_new": (_P, [ctypes.c_int]),
     "spin_pool_free": (None, [_P]),
     "spin_linear": (ctypes.c_int, [_P, _P, _P, _I, _P, _I]),
+    "spin_experts": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I,
+                                    _I, _I, _I, _I, _I, _I, _I, _P]),
     "rms_norm": (None, [_P, _I, _I, _P, ctypes.c_float, _P]),  # norm.c (kernels/norm.py)
 }
 

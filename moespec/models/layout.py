@@ -25,7 +25,7 @@ import torch
 
 from moespec.kernels import native
 from moespec.kernels.linear import linear
-from moespec.kernels.swiglu import is_silu, silu_and_mul, swiglu_expert
+from moespec.kernels.swiglu import is_silu, silu_and_mul, swiglu_expert, swiglu_experts
 
 
 @dataclass(frozen=True)
@@ -149,3 +149,20 @@ class ExpertLayout:
         gate_up, down = self.linear_weights(row)
         h = self.act_and_mul(linear(xr, gate_up, self.act_int8), act)  # [t, I]
         return linear(h, down, self.act_int8).to(x.device)  # [t, H]
+
+    def forward_many(self, x: torch.Tensor, slots: torch.Tensor, rows: list[int], act) -> list[torch.Tensor]:
+        """Raw outputs [t, H] of the experts in ``slots[r]`` (slots [S, P]) for r in ``rows``, all for
+        the same tokens x [t, H]: one decode layer's resident experts.
+
+        CPU slots of a layout computed by this class's :meth:`forward` take ONE native call for all of
+        them (moespec.kernels.swiglu.swiglu_experts, equal bit for bit); anything else (a GPU slot, a
+        family's own forward, no native kernels) runs :meth:`forward` per row, which is the reference.
+        """
+        if rows and type(self).forward is ExpertLayout.forward:
+            xr = x if x.device == slots.device else x.to(slots.device)
+            y = swiglu_experts(xr, slots, rows, self, act)  # [n, t, H]
+            if y is not None:
+                y = y if y.device == x.device else y.to(x.device)
+                return list(y.unbind(0))
+        return [self.forward(x, slots[r], act) for r in rows]
+

@@ -157,5 +157,8 @@ int linear_a8(int kind, const int8_t* xq, const float* d, const float* qsum, i64
 void silu_mul(const float* gu, i64 T, i64 I, float* h, int bf16);
 int expert_swiglu(int kind, int a8, int bf16_act, const float* x, i64 T, const uint8_t* base, i64 ow1, i64 os1,
                   i64 oz1, i64 ow2, i64 os2, i64 oz2, i64 H, i64 I, i64 g, float* y);
+int experts_swiglu(int kind, int a8, int bf16_act, const float* x, i64 T, const uint8_t* base, i64 stride,
+                   const i64* rows, i64 n, i64 ow1, i64 os1, i64 oz1, i64 ow2, i64 os2, i64 oz2, i64 H, i64 I,
+                   i64 g, float* y);
 
 #endif

@@ -66,3 +66,18 @@ int expert_swiglu(int kind, int a8, int bf16_act, const float* x, i64 T, const u
     free(gu);
     return rc;
 }
+
+/* n SwiGLU experts of one layer in one call (one GIL release for the layer): expert j's row starts at
+ * base + rows[j] * stride bytes (a slot of the expert cache), its output is y + j * T * H. Each is
+ * expert_swiglu's exact computation, so the batch equals n single calls bit for bit.
+ * Returns 0, or the first non-zero code an expert returned. */
+int experts_swiglu(int kind, int a8, int bf16_act, const float* x, i64 T, const uint8_t* base, i64 stride,
+                   const i64* rows, i64 n, i64 ow1, i64 os1, i64 oz1, i64 ow2, i64 os2, i64 oz2, i64 H, i64 I,
+                   i64 g, float* y) {
+    for (i64 j = 0; j < n; j++) {
+        int rc = expert_swiglu(kind, a8, bf16_act, x, T, base + rows[j] * stride, ow1, os1, oz1, ow2, os2, oz2,
+                               H, I, g, y + j * T * H);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}

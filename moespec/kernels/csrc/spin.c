@@ -42,7 +42,21 @@ typedef struct {
     i64 row_bytes; /* weight bytes per row (codes + scales + zeros) */
 } bound_t;
 
+/* A layer's decode experts as one job (spin_experts): chunk i is expert i, expert_swiglu's computation
+ * on the row at base + rows[i] * stride, output y + i * T * H. */
 typedef struct {
+    int kind, a8, bf16_act;
+    const float* x;
+    i64 T;
+    const uint8_t* base;
+    i64 stride;
+    const i64* rows;
+    i64 ow1, os1, oz1, ow2, os2, oz2, H, I, g;
+    float* y;
+} experts_t;
+
+typedef struct {
+    const experts_t* ex; /* NULL: a product of the bound weight b */
     const bound_t* b;
     const float* x;
     const float* xs;
@@ -89,6 +103,15 @@ static void work(pool_t* p, uint64_t gen) {
         const i64 i = (i64)(t & 0xffffffffu);
         if (i >= j->nchunks) return;
         if (!atomic_compare_exchange_weak(&p->ticket, &t, t + 1)) continue;
+        if (j->ex) {
+            const experts_t* e = j->ex;
+            int rc = expert_swiglu(e->kind, e->a8, e->bf16_act, e->x, e->T, e->base + e->rows[i] * e->stride,
+                                   e->ow1, e->os1, e->oz1, e->ow2, e->os2, e->oz2, e->H, e->I, e->g,
+                                   e->y + i * e->T * e->H);
+            if (rc) atomic_store(&p->rc, rc);
+            atomic_fetch_add(&p->done, 1);
+            continue;
+        }
         const bound_t* b = j->b;
         const i64 r0 = j->row0 + i * j->chunk_rows;
         const i64 r1 = r0 + j->chunk_rows < j->row0 + b->R ? r0 + j->chunk_rows : b->R;
@@ -169,6 +192,26 @@ static i64 chunk_rows(const bound_t* b) {
     return (rows + 7) / 8 * 8;
 }
 
+/* Publish the job in p->job (its fields set), run chunks here too, wait for the last one. */
+static int run_job(pool_t* p, i64 nchunks) {
+    atomic_store(&p->done, 0);
+    atomic_store(&p->rc, 0);
+    const uint64_t gen = (atomic_load(&p->ticket) >> 32) + 1;
+    atomic_store(&p->ticket, gen << 32); /* publishes the job (seq_cst: ordered after its fields) */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    work(p, gen);
+    /* a chunk a worker still runs: microseconds, unless that worker lost its core (then yield it) */
+    for (int k = 0; atomic_load(&p->done) < nchunks; k++) {
+        _mm_pause();
+        if ((k & 255) == 255) sched_yield();
+    }
+    return atomic_load(&p->rc);
+}
+
 /* y[T, ldy] (float32) = x[T, C] (float32, contiguous) @ W.T for the bound weight; rows split over the
  * pool's workers and the caller (pool NULL: the caller alone, the serial reference). T <= 16.
  * Returns 0, or -1 when a kernel could not allocate its scratch rows. */
@@ -188,22 +231,24 @@ int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 l
     if (!p || p->n == 0 || nchunks < 2)
         return linear_f32act(b->kind, x, T, b->C, b->w, b->scales, b->zeros, xs, b->C, b->g, y, ldy, 0, b->R);
     job_t* j = &p->job;
-    j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0, j->chunk_rows = rows;
+    j->ex = NULL, j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0;
+    j->chunk_rows = rows;
     j->nchunks = nchunks;
-    atomic_store(&p->done, 0);
-    atomic_store(&p->rc, 0);
-    const uint64_t gen = (atomic_load(&p->ticket) >> 32) + 1;
-    atomic_store(&p->ticket, gen << 32); /* publishes the job (seq_cst: ordered after its fields) */
-    if (atomic_load(&p->sleepers) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-    }
-    work(p, gen);
-    /* a chunk a worker still runs: microseconds, unless that worker lost its core (then yield it) */
-    for (int k = 0; atomic_load(&p->done) < nchunks; k++) {
-        _mm_pause();
-        if ((k & 255) == 255) sched_yield();
-    }
-    return atomic_load(&p->rc);
+    return run_job(p, nchunks);
+}
+
+/* n SwiGLU experts of one decode layer (expert.c experts_swiglu's arguments), one expert per chunk,
+ * claimed by the caller and the pool's workers (pool NULL, no worker or n < 2: the caller alone).
+ * Each expert is computed by the same code on whichever thread: bit-equal to the serial call. */
+int spin_experts(void* pv, int kind, int a8, int bf16_act, const float* x, i64 T, const uint8_t* base, i64 stride,
+                 const i64* rows, i64 n, i64 ow1, i64 os1, i64 oz1, i64 ow2, i64 os2, i64 oz2, i64 H, i64 I,
+                 i64 g, float* y) {
+    pool_t* p = (pool_t*)pv;
+    if (!p || p->n == 0 || n < 2)
+        return experts_swiglu(kind, a8, bf16_act, x, T, base, stride, rows, n, ow1, os1, oz1, ow2, os2, oz2, H,
+                              I, g, y);
+    const experts_t e = {kind, a8, bf16_act, x, T, base, stride, rows, ow1, os1, oz1, ow2, os2, oz2, H, I, g, y};
+    job_t* j = &p->job;
+    j->ex = &e, j->b = NULL, j->nchunks = n;
+    return run_job(p, n);
 }

@@ -66,6 +66,45 @@ def stream(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats
     _release(cache, done)
 
 
+def acquire_resident(cache: ExpertCache, layer: int, experts: list[int], stats: LayerStats,
+                     recorder: StatsRecorder, kept: list[int] | None = None,
+                     queued: Callable[[], None] | None = None) -> list[int] | None:
+    """:func:`stream`'s twin for a layer whose ``experts`` (ascending ids) are all resident with their
+    copies landed: their slots, in the order of ``experts``, pinned, or None (nothing done) when one is
+    not resident or its copy is still running (then the caller streams, and computes each expert as
+    its copy lands).
+
+    The cache sees what :func:`stream` does for an all-hit layer (the same acquires, pin releases,
+    rule commit, ``queued()`` and waits, in the same order), and ``stats`` the same counts, so a
+    caller may compute every expert in one call; it releases the slots with :func:`release_slots`
+    once done. tests/test_expert_rows.py compares both on one trace.
+    """
+    landed = cache.landed
+    if not all(landed((layer, e)) for e in experts):
+        return None
+    cache.begin_visit(layer)
+    slots = []
+    for e in experts:
+        got = cache.acquire((layer, e))  # a hit: never None
+        slots.append(got.slot)
+        stats.hits += 1
+        stats.prefetch_used += got.prefetched
+    for slot in kept or ():  # now pinned by acquire as well
+        cache.release(slot)
+    cache.rule.commit()
+    if queued is not None:
+        queued()
+    for slot in slots:
+        recorder.span(stats, "stall_ms", cache.wait(slot))  # landed: no stall, the ticket is dropped
+    return slots
+
+
+def release_slots(cache: ExpertCache, slots: list[int]) -> None:
+    """Release what :func:`acquire_resident` pinned (in its order: ascending expert ids, as stream)."""
+    for slot in slots:
+        cache.release(slot)
+
+
 def _release(cache: ExpertCache, done: list[tuple[int, int]]) -> None:
     """Release computed slots in expert order: the eviction order after a layer does not depend on the
     order its copies landed in (a prefetch picks its slot as if its layer ran: slots.py)."""

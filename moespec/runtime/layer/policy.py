@@ -24,6 +24,8 @@ class LayerPolicy:
         guard_rule: how τ picks the misses `guarded` skips (``--guard-rule``; guard.py).
         guard_substitute: run the best resident expert in place of a skipped one.
         prediction_gate: exact and guarded layers predict only while it pays (gate.py).
+        batch_experts: a decode layer whose experts are all resident computes them in one call
+            (runner.py ``_batched``); False: one at a time, through the stream (the reference).
     """
 
     predictor: NextLayerPredictor
@@ -33,6 +35,7 @@ class LayerPolicy:
     guard_rule: GuardRule = GuardRule.BUDGET
     guard_substitute: bool = True
     prediction_gate: bool = True
+    batch_experts: bool = True
 
     @classmethod
     def from_config(cls, cfg: RuntimeConfig, predictor: NextLayerPredictor) -> LayerPolicy:

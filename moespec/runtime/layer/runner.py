@@ -32,7 +32,7 @@ from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import NoPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
-from moespec.runtime.cache.stream import stream
+from moespec.runtime.cache.stream import acquire_resident, release_slots, stream
 from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token
 from moespec.runtime.layer.gate import PredictionGate, link_ms_per_copy
 from moespec.runtime.layer.guard import guard_signals, plan_guard, signals_length, substituted_routing
@@ -160,7 +160,8 @@ class MoeLayerRunner:
         if nxt is not None:  # prefetch l+1 behind l's demand copies
             prediction = Prediction(nxt, nxt_ids, nxt_best)
             queued = lambda: self.prefetcher.prefetch(layer, prediction, self.recorder)  # noqa: E731
-        self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued)  # plan misses, stream
+        self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued,  # plan misses, stream
+                     batch=self.policy.batch_experts)
         return sum_one_token(raws, routing.weights, x)  # combine: [1, K, H] * [1, K, 1] summed over K
 
     def _route(self, block, x: torch.Tensor, stats: LayerStats) -> tuple[Routing, list[int] | None]:
@@ -241,13 +242,16 @@ class MoeLayerRunner:
         return acc.result()
 
     # --- plan misses, stream, collect ----------------------------------------------------------
-    def _stream(self, block, experts: list[int], stats: LayerStats, inputs, put, tokens, queued) -> None:
+    def _stream(self, block, experts: list[int], stats: LayerStats, inputs, put, tokens, queued,
+                batch: bool = False) -> None:
         """Compute ``experts`` (ascending ids) of ``block``'s layer: ``put(e, raw [t, H])`` for each.
 
         The ledger settles the layer's prefetch pins; misses the miss handler sends to the host start
         on the host pool first and are collected after the device's experts, so both compute at the
         same time; the device's experts run in the order their copies land (``queued()`` runs once the
-        layer's demand copies are queued).
+        layer's demand copies are queued). ``batch`` (a decode step: every expert has the same
+        tokens): when the device's experts are all resident and landed, they run in one call
+        (:meth:`_batched`); else, and always for a prefill, one at a time (the reference).
         """
         layer, act, cache, rec, misses = block.layer, block.act_fn, self.cache, self.recorder, self.misses
         wasted = stats.prefetch_wasted
@@ -257,7 +261,10 @@ class MoeLayerRunner:
         timed = misses.times_device
         timing = rec.enabled or timed
         used = stats.prefetch_used
-        for e, slot in stream(cache, layer, device, stats, rec, kept, queued):
+        slots = acquire_resident(cache, layer, device, stats, rec, kept, queued) if batch and device else None
+        if slots is not None:
+            self._batched(device, slots, layout, inputs(device[0]), act, stats, put, timing)
+        for e, slot in stream(cache, layer, device, stats, rec, kept, queued) if slots is None else ():
             t0 = engine.mark() if timing else None
             put(e, layout.forward(inputs(e), cache.row(slot), act))  # [t, H] from the slot
             if timing:
@@ -269,6 +276,29 @@ class MoeLayerRunner:
             misses.observe_used(stats.prefetch_used - used)
             self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted)
         misses.collect(jobs, put, rec, stats)
+
+    def _batched(self, experts: list[int], slots: list[int], layout, x: torch.Tensor, act, stats: LayerStats,
+                 put, timing: bool) -> None:
+        """One decode layer's resident ``experts`` (pinned in ``slots``, acquire_resident) for x [1, H]
+        in one call (ExpertLayout.forward_many), then ``put(e, raw [1, H])`` for each; releases the slots.
+
+        Timed as one span; the miss planner (``times_device``) hears each expert as an equal share of it.
+        """
+        cache, engine, misses = self.cache, self.cache.engine, self.misses
+        t0 = engine.mark() if timing else None
+        try:
+            raws = layout.forward_many(x, cache.slots, slots, act)  # n x [1, H]
+        finally:
+            release_slots(cache, slots)
+        if timing:
+            t1 = engine.mark()
+            self.recorder.span(stats, "compute_ms", Span(t0, t1))
+            if misses.times_device and isinstance(t0, float):  # CPU marks (perf_counter s)
+                step = (t1 - t0) / len(experts)
+                for j in range(len(experts)):
+                    misses.observe_device(1, Span(t0 + j * step, t0 + (j + 1) * step))
+        for e, raw in zip(experts, raws):
+            put(e, raw)
 
 
 def _with_modes(fn):
