@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import GREEDY_PROMPT, make_checkpoint, reference_greedy, reference_model
+from tiny import GREEDY_PROMPT, engine_steps, make_checkpoint, reference_greedy, reference_model
 
 import moespec.runtime.dense as dense
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
@@ -34,17 +34,6 @@ def folders(tmp_path_factory):
     return {f: make_checkpoint(root / f, f, seed=30 + i) for i, f in enumerate(FAMILIES)}
 
 
-def _steps(om, ids: list[int], decode: int) -> tuple[torch.Tensor, list[int]]:
-    """Last-position logits [1 + decode, V] of a prefill of ``ids`` and ``decode`` greedy steps, and the tokens."""
-    eng = Engine(om)
-    eng.reset()
-    outs = [eng.forward(ids, "prefill")]
-    toks = []
-    for _ in range(decode):
-        toks.append(int(outs[-1].reshape(-1, outs[-1].shape[-1])[-1].argmax()))
-        outs.append(eng.forward([toks[-1]], "decode"))
-    return torch.cat([o.reshape(-1, o.shape[-1])[-1:] for o in outs]), toks
-
 
 @needs_kernels
 @pytest.mark.parametrize("dense_dtype", ["auto", "bf16", "int8"])
@@ -54,11 +43,11 @@ def test_native_equals_reference(folders, every_weight, family, dense_dtype):
                                                        dense_dtype=dense_dtype))
     try:
         assert om.dense.native and "lm_head" in om.dense.native
-        fast, fast_toks = _steps(om, GREEDY_PROMPT, 8)
+        fast, fast_toks = engine_steps(om, GREEDY_PROMPT, 8)
         assert om.dense.calls > 0  # the native GEMV ran
         om.dense.reference = True
         calls = om.dense.calls
-        ref, ref_toks = _steps(om, GREEDY_PROMPT, 8)
+        ref, ref_toks = engine_steps(om, GREEDY_PROMPT, 8)
         assert om.dense.calls == calls  # and the reference did not
     finally:
         om.close()
@@ -81,7 +70,7 @@ def test_float32_native_equals_transformers(folders, every_weight, family):
         got = list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=10)))
         assert om.dense.calls > 0
         ids = torch.tensor([GREEDY_PROMPT + got])
-        logits, _ = _steps(om, GREEDY_PROMPT, 0)
+        logits, _ = engine_steps(om, GREEDY_PROMPT, 0)
     finally:
         om.close()
     with torch.no_grad():
@@ -100,9 +89,9 @@ def test_tied_embedding_keeps_its_float_table(tmp_path, every_weight):
         head = om.dense.weights[om.model.lm_head]
         assert isinstance(head, LowBitWeight)
         assert om.dense.bytes_read(om.model.lm_head) < emb.numel() * 4 * 0.3  # int8 codes + scales + zeros
-        fast, _ = _steps(om, GREEDY_PROMPT, 3)
+        fast, _ = engine_steps(om, GREEDY_PROMPT, 3)
         om.dense.reference = True
-        ref, _ = _steps(om, GREEDY_PROMPT, 3)
+        ref, _ = engine_steps(om, GREEDY_PROMPT, 3)
     finally:
         om.close()
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
@@ -131,9 +120,9 @@ def test_bf16_weights_at_two_threads(folders, every_weight):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        fast, _ = _steps(om, GREEDY_PROMPT, 3)
+        fast, _ = engine_steps(om, GREEDY_PROMPT, 3)
         om.dense.reference = True
-        ref, _ = _steps(om, GREEDY_PROMPT, 3)
+        ref, _ = engine_steps(om, GREEDY_PROMPT, 3)
     finally:
         torch.set_num_threads(before)
         om.close()
@@ -181,9 +170,9 @@ def test_default_model_native_equals_reference(default_model, dense_dtype):
     try:
         assert "lm_head" in om.dense.native and len(om.dense.native) > 200
         prompt = list(range(100, 130))
-        fast, fast_toks = _steps(om, prompt, 8)
+        fast, fast_toks = engine_steps(om, prompt, 8)
         om.dense.reference = True
-        ref, ref_toks = _steps(om, prompt, 8)
+        ref, ref_toks = engine_steps(om, prompt, 8)
     finally:
         om.close()
     assert fast_toks == ref_toks

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import GREEDY_PROMPT, make_checkpoint
+from tiny import GREEDY_PROMPT, engine_steps, make_checkpoint
 
 import moespec.runtime.dense as dense
 from moespec.config import Predictor, RuntimeConfig
 from moespec.kernels import native
 from moespec.runtime import dense_call
-from moespec.runtime.engine import Engine
 from moespec.runtime.load import load_offloaded
 
 needs_kernels = pytest.mark.skipif(native.library() is None, reason="no native CPU kernels here")
@@ -38,16 +37,6 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dense_call")
     return {f: make_checkpoint(root / f, f, seed=50 + i) for i, f in enumerate(FAMILIES)}
 
-
-def _steps(om, decode: int) -> tuple[torch.Tensor, list[int]]:
-    eng = Engine(om)
-    eng.reset()
-    outs = [eng.forward(GREEDY_PROMPT, "prefill")]
-    toks = []
-    for _ in range(decode):
-        toks.append(int(outs[-1].reshape(-1, outs[-1].shape[-1])[-1].argmax()))
-        outs.append(eng.forward([toks[-1]], "decode"))
-    return torch.cat([o.reshape(-1, o.shape[-1])[-1:] for o in outs]), toks
 
 
 @needs_kernels
@@ -102,10 +91,10 @@ def test_fused_decode_equals_reference(folders, every_weight, family, dense_dtyp
     try:
         assert om.dense.fused > 0
         torch.set_num_threads(threads)
-        fast, fast_toks = _steps(om, 6)
+        fast, fast_toks = engine_steps(om, GREEDY_PROMPT, 6)
         om.dense.reference = True
         torch.set_num_threads(1)
-        ref, ref_toks = _steps(om, 6)
+        ref, ref_toks = engine_steps(om, GREEDY_PROMPT, 6)
     finally:
         torch.set_num_threads(before)
         om.close()

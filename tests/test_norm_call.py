@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import GREEDY_PROMPT, make_checkpoint
+from tiny import GREEDY_PROMPT, engine_steps, make_checkpoint
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.kernels import native
 from moespec.kernels import norm as kn
-from moespec.runtime.engine import Engine
 from moespec.runtime.load import load_offloaded
 
 needs_kernels = pytest.mark.skipif(native.library() is None, reason="no native CPU kernels here")
@@ -51,16 +50,6 @@ def test_applies_only_to_float32_cpu():
     assert not kn.applies(x, torch.randn(16)[::2])
 
 
-def _steps(om, decode: int):
-    eng = Engine(om)
-    eng.reset()
-    outs = [eng.forward(GREEDY_PROMPT, "prefill")]
-    toks = []
-    for _ in range(decode):
-        toks.append(int(outs[-1].reshape(-1, outs[-1].shape[-1])[-1].argmax()))
-        outs.append(eng.forward([toks[-1]], "decode"))
-    return torch.cat([o.reshape(-1, o.shape[-1])[-1:] for o in outs]), toks
-
 
 @needs_kernels
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,11 +57,11 @@ def test_native_norms_equal_own_forward(folders, family):
     om = load_offloaded(folders[family], RuntimeConfig(predictor=Predictor.ROUTER, cache_experts=6))
     try:
         assert om.norms.norms
-        fast, fast_toks = _steps(om, 6)
+        fast, fast_toks = engine_steps(om, GREEDY_PROMPT, 6)
         assert om.norms.calls > 0
         om.norms.reference = True
         calls = om.norms.calls
-        ref, ref_toks = _steps(om, 6)
+        ref, ref_toks = engine_steps(om, GREEDY_PROMPT, 6)
         assert om.norms.calls == calls
     finally:
         om.close()

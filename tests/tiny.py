@@ -155,6 +155,21 @@ def offloaded_greedy(folder: Path, cfg, prompt: list[int], max_new_tokens: int) 
         om.close()
 
 
+def engine_steps(om, ids: list[int], decode: int) -> tuple[torch.Tensor, list[int]]:
+    """Last-position logits [1 + decode, V] of a prefill of ``ids`` and ``decode`` greedy steps on the
+    loaded model ``om``, and the greedy tokens: what the fast-vs-reference tests compare."""
+    from moespec.runtime.engine import Engine
+
+    eng = Engine(om)
+    eng.reset()
+    outs = [eng.forward(ids, "prefill")]
+    toks = []
+    for _ in range(decode):
+        toks.append(int(outs[-1].reshape(-1, outs[-1].shape[-1])[-1].argmax()))
+        outs.append(eng.forward([toks[-1]], "decode"))
+    return torch.cat([o.reshape(-1, o.shape[-1])[-1:] for o in outs]), toks
+
+
 def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
     """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
 
