@@ -44,6 +44,7 @@ from moespec.kernels import native as native_kernels
 from moespec.kernels import spin
 from moespec.kernels.lowbit import COL_MULTIPLE, LowBitWeight, dequantize
 from moespec.runtime import dense_call
+from moespec.runtime.forwards import restore_forwards
 
 DENSE_DTYPES = ("auto", "float32", "bf16", "bfloat16", "int8")
 GROUP_SIZE = 64  # as the experts' default (models/quant.DEFAULT_GROUP_SIZE)
@@ -133,12 +134,7 @@ class DensePath:
         for module, dtype in self._freed:
             module.weight = nn.Parameter(as_dense(self.weights[module], dtype).clone(), requires_grad=False)
         self._freed.clear()
-        for module, before in reversed(self._undo):
-            if before is None:
-                del module.forward
-            else:
-                module.forward = before
-        self._undo.clear()
+        restore_forwards(self._undo)
         self.weights.clear()
 
 

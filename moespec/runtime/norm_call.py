@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from moespec.kernels import norm as kn
+from moespec.runtime.forwards import restore_forwards
 
 NORM_CLASSES = ("Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm",
                 "DeepseekV3RMSNorm", "GptOssRMSNorm", "Glm4MoeLiteRMSNorm")
@@ -45,12 +46,7 @@ class NormPath:
 
     def uninstall(self) -> None:
         """Put the modules' own forwards back (r_l is then no longer recorded)."""
-        for module, before in reversed(self._undo):
-            if before is None:
-                del module.forward
-            else:
-                module.forward = before
-        self._undo.clear()
+        restore_forwards(self._undo)
         self.norms.clear()
 
 
