@@ -9,7 +9,8 @@
 #
 # Arms: reader (the store file read alone, 8 reads in flight: the O_DIRECT GB/s of the disk floor),
 # router (router prefetch), router-np / router-nc (the same without promoting kept prefetches /
-# without cutting started wrong ones), router-r32 / none-r32 (32 reader threads), none (on-demand
+# without cutting started wrong ones), router-l2 (router + layer l+2's predicted rows read below every
+# other read, once the lookahead's recall >= AHEAD_RECALL, 0.5: runtime/layer/ahead.py), router-r32 / none-r32 (32 reader threads), none (on-demand
 # reads), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
 # + accelerate's disk offload of the experts; its folder written once by
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
@@ -48,6 +49,7 @@ arm_args() {  # the bench's arguments of arm $1
     router) echo arm "$MODEL" --predictor router "${common[@]}" ;;
     router-np) echo arm "$MODEL" --predictor router --no-kept-promote "${common[@]}" ;;
     router-nc) echo arm "$MODEL" --predictor router --no-cut "${common[@]}" ;;
+    router-l2) echo arm "$MODEL" --predictor router --ahead "${AHEAD_RECALL:-0.5}" "${common[@]}" ;;
     none) echo arm "$MODEL" --predictor none "${common[@]}" ;;
     router-r32) echo arm "$MODEL" --predictor router --readers 32 "${common[@]}" ;;
     none-r32) echo arm "$MODEL" --predictor none --readers 32 "${common[@]}" ;;
@@ -55,7 +57,7 @@ arm_args() {  # the bench's arguments of arm $1
     mmap) echo arm "$MODEL" --predictor none --host-memory "$MMAP_ROWS" --disk-reads mmap --tokens "$TOKENS" \
             --embed-scale "$SCALE" --expert-dtype "$DTYPE" ;;
     accelerate) echo accelerate "$MODEL" --offload "$OFFLOAD" --tokens "$ACC_TOKENS" ;;
-    *) echo "error: unknown arm $1 (reader reader-32 router router-np router-nc router-r32 none none-r32 mmap accelerate)" >&2; return 2 ;;
+    *) echo "error: unknown arm $1 (reader reader-32 router router-np router-nc router-l2 router-r32 none none-r32 mmap accelerate)" >&2; return 2 ;;
   esac
 }
 

@@ -6,7 +6,14 @@ Per arm: TPOT ms, disk MB per decode token, decode read GB/s and its share of th
 reader arm of the same hold: the store file read alone, 8 reads in flight), the disk floor (MB per
 token / the reader's GB/s) and TPOT over it, TPOT over on-demand's (none), the mmap baseline's and
 accelerate's TPOT over this arm's, and the cgroup's peak (RSS + page cache) against the cap.
-The last stdout line (--json) is one JSON object: hold -> arm -> those numbers.
+
+Below it, per predicting or on-demand arm, the disk floor at both ends of the hold (the first and
+the last reader run: the virtual disk's speed drifts within a hold) and TPOT over each, and where
+the gap to the floor (TPOT - floor, mean reader) goes: ``idle`` = ms per token the disk read nothing
+(compute no read overlapped: TPOT x (1 - the decode's disk busy share)) and ``slow`` = ms the reads
+took beyond the floor (busy ms - floor: reads slower than the reader alone); idle + slow = gap.
+``stall`` is the ms compute waited for reads, ``comp`` the experts' compute ms (both per token).
+The last stdout line (--json) is one JSON object: hold -> arm -> those numbers ("gap": the second part).
 """
 
 from __future__ import annotations
@@ -54,6 +61,28 @@ def numbers(arms: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def gap_numbers(arms: dict[str, dict]) -> dict[str, dict]:
+    """arm -> floor at both ends, TPOT over each, and the gap's split (module docstring); arms with a
+    decode (TPOT and disk MB per token) only."""
+    runs = arms.get("reader", {}).get("gbps_runs", [])
+    out = {}
+    for name, row in arms.items():
+        tpot, mb, busy = row.get("tpot_ms"), row.get("decode_disk_mb_per_token"), row.get("decode_disk_busy_share")
+        if not (tpot and mb and runs) or name in ("mmap", "accelerate"):
+            continue
+        first, last, mean = mb / runs[0], mb / runs[-1], mb / (sum(runs) / len(runs))  # ms
+        idle = tpot * (1 - busy) if busy is not None else None
+        slow = tpot - idle - mean if idle is not None else None
+        gap = tpot - mean
+        out[name] = {"floor_first_ms": round(first, 1), "x_floor_first": round(tpot / first, 2),
+                     "floor_last_ms": round(last, 1), "x_floor_last": round(tpot / last, 2), "gap_ms": round(gap, 1),
+                     "idle_ms": None if idle is None else round(idle, 1),
+                     "slow_ms": None if slow is None else round(slow, 1),
+                     "idle_share": round(idle / gap, 2) if idle is not None and gap > 0 else None,
+                     "stall_ms": row.get("disk_stall_ms_per_token"), "compute_ms": row.get("compute_ms_per_token")}
+    return out
+
+
 def _cell(v, width: int) -> str:
     text = "-" if v is None else (f"{v:.1f}" if isinstance(v, float) and abs(v) >= 100 else str(v))
     return text.rjust(width)
@@ -77,6 +106,16 @@ def render(holds: dict[str, dict[str, dict]]) -> str:
                     n["x_none"], n["mmap_x"], n["accel_x"], n["peak_mib"]]
             flag = "" if n["rc"] == 0 else f"  rc {n['rc']}"
             lines.append(name.ljust(cols[0][1]) + " " + " ".join(_cell(v, w) for v, (_, w) in zip(vals, cols[1:])) + flag)
+        gaps = gap_numbers(arms)
+        if gaps:
+            gcols = [("arm", 10), ("flr0", 6), ("x0", 5), ("flr1", 6), ("x1", 5), ("gap", 6), ("idle", 6),
+                     ("slow", 6), ("idl%", 5), ("stall", 6), ("comp", 6)]
+            lines.append("floor at the hold's start (0) and end (1), the gap's split (ms per token)")
+            lines.append(" ".join(n.ljust(w) if i == 0 else n.rjust(w) for i, (n, w) in enumerate(gcols)))
+            for name, g in gaps.items():
+                vals = [g["floor_first_ms"], g["x_floor_first"], g["floor_last_ms"], g["x_floor_last"], g["gap_ms"],
+                        g["idle_ms"], g["slow_ms"], g["idle_share"], g["stall_ms"], g["compute_ms"]]
+                lines.append(name.ljust(gcols[0][1]) + " " + " ".join(_cell(v, w) for v, (_, w) in zip(vals, gcols[1:])))
         lines.append("")
     return "\n".join(lines)
 
@@ -89,7 +128,7 @@ def main() -> None:
     holds = rows_by_hold(args.path)
     print(render(holds))
     if args.json:
-        print(json.dumps({h: numbers(a) for h, a in holds.items()}))
+        print(json.dumps({h: {**numbers(a), "gap": gap_numbers(a)} for h, a in holds.items()}))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,10 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         torch.set_num_threads(tune["torch_threads"])
     om.ledger.promote_kept = tune.get("kept_promote", True)
     om.ledger.cut_started = tune.get("cut", True)
+    if tune.get("ahead") is not None:  # l+2 ahead reads once the lookahead's recall is >= this (runtime/layer/ahead.py)
+        from dataclasses import replace
+
+        om.use_policy(replace(om.runner.policy, ahead_recall=tune["ahead"]))
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
@@ -127,6 +131,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         end = (time.perf_counter(), engine.busy_seconds(), engine.bytes_moved)
         summary = summarize(om.recorder.steps)
         disk = disk_numbers(summary, om.cache)
+        ahead = {"ahead_recall": om.runner.ahead.recall, "ahead_issued": getattr(om.runner.ahead, "issued", None)}
         gate = getattr(om.runner.prefetcher, "gate", None)
         gate = None if gate is None else [int(g["open"]) for g in gate.report().values()]
     finally:
@@ -146,7 +151,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
                       "hits_per_token": round(summary_per_token(om, "hits"), 2),
                       "prefetch_used_per_token": round(summary_per_token(om, "prefetch_used"), 2),
                       "compute_ms_per_token": round(summary.compute_ms_per_token, 1),
-                      "cut_reads": getattr(engine, "cut_reads", None),
+                      "cut_reads": getattr(engine, "cut_reads", None), **ahead,
+                      "prefetched_ahead_per_token": round(summary_per_token(om, "prefetched_ahead"), 2),
                       "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt,
                       "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
@@ -294,6 +300,7 @@ def main() -> None:
     a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
     a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
     a.add_argument("--readers", type=int, help="the disk reader's threads (reads in flight; default 8)")
+    a.add_argument("--ahead", type=float, help="read l+2's predicted rows at this lookahead recall (LayerPolicy.ahead_recall)")
     hp = sub.add_parser("accelerate-prep")
     hp.add_argument("folder", type=Path)
     hp.add_argument("--offload", type=Path, required=True)
@@ -314,7 +321,7 @@ def main() -> None:
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
              "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
-             "cut": not args.no_cut, "readers": args.readers}, args.expert_dtype)
+             "cut": not args.no_cut, "readers": args.readers, "ahead": args.ahead}, args.expert_dtype)
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":

@@ -41,10 +41,20 @@ class NextLayerPredictor:
         self.adapter = adapter
         self.refs = {r.layer: r for r in refs}
         self.targets = {a.layer: b for a, b in zip(refs, refs[1:])}
+        self.aheads = {a.layer: c for a, c in zip(refs, refs[2:])}  # distance 2: the lookahead
 
     def target(self, layer: int) -> LayerRef | None:
         """The next MoE layer after ``layer`` (None for the last one)."""
         return self.targets.get(layer)
+
+    def ahead(self, layer: int) -> LayerRef | None:
+        """The MoE layer after the next one (distance 2; None for the last two)."""
+        return self.aheads.get(layer)
+
+    def predict_ahead(self, layer: int, residual: torch.Tensor) -> Routing | None:
+        """Predicted routing [T, K] of the MoE layer after the next (``ahead(layer)``) from r_l [T, H],
+        or None: this predictor has no lookahead (the default)."""
+        return None
 
     def predict(self, layer: int, residual: torch.Tensor, used: Routing) -> Routing | None:
         """Predicted routing of the next MoE layer.
@@ -88,3 +98,11 @@ class RouterPredictor(NextLayerPredictor):
         state = nxt.norm(self.signal(layer, residual, used))  # [T, H]
         logits = self.adapter.router_logits(nxt.block, state)  # [T, E]
         return self.adapter.select(nxt.block, logits)
+
+    def predict_ahead(self, layer: int, residual: torch.Tensor) -> Routing | None:
+        """router_{l+2}(LN_{l+2}(r_l)): the lookahead (lower recall than l+1's; runtime/layer/ahead.py)."""
+        far = self.ahead(layer)
+        if far is None:
+            return None
+        logits = self.adapter.router_logits(far.block, far.norm(residual))  # [T, E]
+        return self.adapter.select(far.block, logits)

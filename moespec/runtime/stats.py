@@ -41,6 +41,7 @@ class LayerStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_cancelled: int = 0
+    prefetched_ahead: int = 0  # of prefetched: copies issued two layers ahead (runtime/layer/ahead.py)
     h2d_bytes: int = 0
     stall_ms: float = 0.0
     compute_ms: float = 0.0

@@ -11,7 +11,9 @@ prefetched, its bytes taken off); one that started is **cut** (its parts not sta
 ExpertCache.cut_prefetch: wasted, the bytes not read taken off, its slot empty); any other is
 released, and a copy no compute used is **wasted** (its slot is the next copy's). A forward that ends before
 l' (an exception, a stopped generation) **drops** what is left. The runtime's layer runner and the
-policy replay (replay.py) both go through here.
+policy replay (replay.py) both go through here. Ahead pins (a prediction of the layer after the next,
+made two layers before it: runtime/layer/ahead.py) are issued into free room only (ahead_slot.py) and
+settle with that layer's other pins, by the same rules.
 """
 
 from __future__ import annotations
@@ -44,10 +46,36 @@ class PrefetchLedger:
         self.promote_kept = promote_kept
         self.cut_started = cut_started
         self._pins: dict[int, list[int]] = {}
+        self._ahead: dict[int, list[int]] = {}  # target layer -> slots its ahead (l+2) copies pinned
 
     def held(self) -> dict[int, list[int]]:
         """Target layer -> pinned slots (a copy)."""
-        return {layer: list(slots) for layer, slots in self._pins.items()}
+        out = {layer: list(slots) for layer, slots in self._pins.items()}
+        for layer, slots in self._ahead.items():
+            out[layer] = out.get(layer, []) + list(slots)
+        return out
+
+    def issue_ahead(self, target: int, experts: list[int], stats: LayerStats, keep: int) -> int:
+        """Copy ``experts`` of layer ``target`` (the layer after the next), in the given order, into ahead
+        room only (ExpertCache.prefetch_ahead: empty slots and unused predictions beyond ``keep``), at
+        the lowest read priority; resident ones are left as they are. Stops at the first that finds no
+        room. Counts the copies as ``stats.prefetched`` (and ``prefetched_ahead``) and their bytes;
+        returns how many were issued."""
+        cache = self.cache
+        pins = self._ahead.setdefault(target, [])
+        issued = 0
+        for e in experts:
+            if cache.resident((target, e)):
+                continue
+            slot = cache.prefetch_ahead((target, e), keep)
+            if slot is None:
+                break
+            pins.append(slot)
+            issued += 1
+            stats.prefetched += 1
+            stats.prefetched_ahead += 1
+            stats.h2d_bytes += cache.copy_bytes(target)
+        return issued
 
     def issue(self, target: int, experts: list[int], stats: LayerStats, budget: int | None = None) -> None:
         """Pin ``experts`` of layer ``target`` ahead of use: the resident ones first (no copy, so no
@@ -83,9 +111,10 @@ class PrefetchLedger:
         prefetch_cancelled + 1, its bytes off h2d_bytes), one still running is cut (the bytes not
         read off h2d_bytes) and, like one that ran and was never used, counted in ``prefetch_wasted``.
         """
-        pins = self._pins.pop(layer, None)
-        if pins is None:
+        pins, ahead = self._pins.pop(layer, None), self._ahead.pop(layer, None)
+        if pins is None and ahead is None:
             return None
+        pins = (pins or []) + (ahead or [])  # a slot in both holds two pins: settled (released) twice
         cache = self.cache
         kept = []
         for slot in pins:
@@ -113,7 +142,7 @@ class PrefetchLedger:
         ran stays in its slot as an unused prediction."""
         cache = self.cache
         cancelled = wasted = 0
-        for slots in self._pins.values():
+        for slots in [*self._pins.values(), *self._ahead.values()]:
             for slot in slots:
                 if cancel and cache.cancel_prefetch(slot):
                     cancelled += 1
@@ -121,8 +150,10 @@ class PrefetchLedger:
                     wasted += cache.mark_unused(slot)
                 cache.release(slot)
         self._pins.clear()
+        self._ahead.clear()
         return Dropped(cancelled, wasted)
 
     def forget(self) -> None:
         """Forget every pin without releasing it: after ``ExpertCache.abort``, which dropped them all."""
         self._pins.clear()
+        self._ahead.clear()

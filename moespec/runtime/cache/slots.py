@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from moespec.config import CachePolicy
+from moespec.runtime.cache.ahead_slot import AheadSlots
 from moespec.runtime.cache.eviction import EvictionRule
 from moespec.runtime.cache.prefetch_end import PrefetchEnds
 from moespec.runtime.cache.slot import Acquired, Key, Slot, SlotState
@@ -53,7 +54,7 @@ EMPTY, CACHED, PREDICTED, UNUSED, RESTORED = (SlotState.EMPTY, SlotState.CACHED,
                                               SlotState.UNUSED, SlotState.RESTORED)
 
 
-class ExpertCache(PrefetchEnds):
+class ExpertCache(PrefetchEnds, AheadSlots):
     """Device-side expert slots over an ExpertStore (the prefetch rule: module docstring).
 
     Args:
@@ -228,7 +229,7 @@ class ExpertCache(PrefetchEnds):
             got = rule.victim(itertools.chain(front(), back()))
         return None if got is None else got.index
 
-    def _copy_into(self, slot: int, key: Key, prefetch: bool) -> int:
+    def _copy_into(self, slot: int, key: Key, prefetch: bool, ahead: bool = False) -> int:
         rec = self._slot[slot]
         self._spare.discard(slot)
         rec.displaced = rec.key if prefetch else None
@@ -237,7 +238,9 @@ class ExpertCache(PrefetchEnds):
         self._where[key] = slot
         self._by_layer.setdefault(key[0], set()).add(key[1])
         n = self.store.row_numel(key[0])  # the layer's row: that layer's layout never reads the slot past it
-        rec.ticket = self.engine.submit(self.slots[slot, :n], self.store.expert(*key)[:n], slot, prefetch)
+        dst, src = self.slots[slot, :n], self.store.expert(*key)[:n]
+        rec.ticket = self.engine.submit(dst, src, slot, prefetch, ahead=True) if ahead else \
+            self.engine.submit(dst, src, slot, prefetch)
         rec.issued_s = time.perf_counter()
         self.copies += 1
         rec.pins = 1
@@ -337,6 +340,7 @@ class ExpertCache(PrefetchEnds):
         slot = self._where.get(key)
         if slot is not None:
             self._protect(slot)
+            self.confirm(slot)  # an ahead copy (ahead_slot.py) is the next layer's prediction now
             return slot, False
         reserved = set() if reserved is None else reserved
         slot = self._victim(reserved)

@@ -26,6 +26,8 @@ class LayerPolicy:
         prediction_gate: exact and guarded layers predict only while it pays (gate.py).
         batch_experts: a decode layer whose experts are all resident computes them in one call
             (runner.py ``_batched``); False: one at a time, through the stream (the reference).
+        ahead_recall: read layer l+2's predicted rows while l computes once the lookahead's running
+            recall is at least this (ahead.py); None: off (the default).
     """
 
     predictor: NextLayerPredictor
@@ -36,6 +38,7 @@ class LayerPolicy:
     guard_substitute: bool = True
     prediction_gate: bool = True
     batch_experts: bool = True
+    ahead_recall: float | None = None
 
     @classmethod
     def from_config(cls, cfg: RuntimeConfig, predictor: NextLayerPredictor) -> LayerPolicy:

@@ -33,6 +33,7 @@ from moespec.predict.base import NoPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.cache.stream import acquire_resident, release_slots, stream
+from moespec.runtime.layer.ahead import AheadPrefetch, NoAhead
 from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token
 from moespec.runtime.layer.gate import PredictionGate, link_ms_per_copy
 from moespec.runtime.layer.guard import guard_signals, plan_guard, signals_length, substituted_routing
@@ -74,6 +75,9 @@ class MoeLayerRunner:
         """Run with ``policy`` from the next forward on (``planner``: required for --on-miss host/auto)."""
         self.policy = policy
         self.misses = miss_handler(policy.on_miss, planner, gate=policy.execute != ExecuteMode.SPECULATIVE)
+        self.ahead = (AheadPrefetch(policy.predictor, self.ledger, self.adapter.top_k(), policy.ahead_recall)
+                      if policy.ahead_recall is not None and not isinstance(policy.predictor, NoPredictor)
+                      else NoAhead())
         if isinstance(policy.predictor, NoPredictor):
             self.prefetcher = NoPrefetcher()
         else:
@@ -120,6 +124,7 @@ class MoeLayerRunner:
 
     def _clear_forward_state(self) -> None:
         self.prefetcher.clear()
+        self.ahead.clear()
         self.residual.clear()
 
     # ------------------------------------------------------------------------------------
@@ -144,9 +149,13 @@ class MoeLayerRunner:
         residual = self.residual.pop(layer, None)  # r_l [1, 1, H]
         routing, ids = self._route(block, x, stats)  # route (ids already on the host when speculated)
         nxt = self.prefetcher.predict(layer, residual, routing, stats)  # predict l+1's routing, or None
-        routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats)  # one host read (+ guard)
+        far = self.ahead.predict(layer, residual) if nxt is not None else None  # l+2's (ahead.py), or None
+        routing, ids, nxt_ids = self._read_host(layer, routing, ids, nxt, stats, far)  # one host read (+ guard)
+        far_best = nxt_ids[len(nxt_ids) - (far is not None) * len(ids):]  # l+2's ids best first, last
+        nxt_ids = nxt_ids[: len(nxt_ids) - len(far_best)]
         half = len(nxt_ids) // 2  # l+1's ids in the routing's order, then best first (_read_host)
         nxt_ids, nxt_best = nxt_ids[:half], nxt_ids[half:]
+        self.ahead.observe(layer, ids)
         self.observer.routing(layer, x, residual, routing)
         k_of = {e: k for k, e in enumerate(ids)}
         raws: list = [None] * len(ids)  # [1, H] per top-k position
@@ -159,7 +168,10 @@ class MoeLayerRunner:
         queued = None
         if nxt is not None:  # prefetch l+1 behind l's demand copies
             prediction = Prediction(nxt, nxt_ids, nxt_best)
-            queued = lambda: self.prefetcher.prefetch(layer, prediction, self.recorder)  # noqa: E731
+            def queued() -> None:  # l+1's prefetch, then l+2's ahead reads below it (ahead.py)
+                self.prefetcher.prefetch(layer, prediction, self.recorder)
+                if far_best:
+                    self.ahead.issue(layer, far_best, self.recorder)
         self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued,  # plan misses, stream
                      batch=self.policy.batch_experts)
         return sum_one_token(raws, routing.weights, x)  # combine: [1, K, H] * [1, K, 1] summed over K
@@ -181,11 +193,12 @@ class MoeLayerRunner:
         return true, None
 
     def _read_host(self, layer: int, routing: Routing, ids: list[int] | None, nxt: Routing | None,
-                   stats: LayerStats) -> tuple[Routing, list[int], list[int]]:
+                   stats: LayerStats, far: Routing | None = None) -> tuple[Routing, list[int], list[int]]:
         """The layer's one host read: what runs here and what l+1 is predicted to need, together
         (float64 in guarded mode, whose signals carry gate weights; int64 otherwise). Returns the
         routing that runs, its host ids and l+1's predicted host ids: [K] in the prediction's order,
-        then the same [K] highest predicted weight first (the prefetch order)."""
+        then the same [K] highest predicted weight first (the prefetch order), then (``far``: l+2's
+        ahead prediction, ahead.py) l+2's [K] highest predicted weight first."""
         guarded = ids is None and self.policy.execute == ExecuteMode.GUARDED
         dtype = torch.float64 if guarded else routing.ids.dtype
         parts = []
@@ -195,6 +208,8 @@ class MoeLayerRunner:
             flat = nxt.ids.reshape(-1)  # [K] (decode: one token)
             best = flat[nxt.weights.reshape(-1).argsort(descending=True, stable=True)]  # [K]
             parts.append(torch.cat([flat, best]).to(dtype))
+        if far is not None:
+            parts.append(far.ids.reshape(-1)[far.weights.reshape(-1).argsort(descending=True, stable=True)].to(dtype))
         got = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist() if parts else []
         if ids is not None:
             return routing, ids, got

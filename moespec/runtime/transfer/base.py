@@ -59,6 +59,9 @@ class Ticket:
         started: the copy was handed to the worker / a stream (it can no longer be cancelled).
         cancelled: dropped before it started (it never runs; its bytes are not counted).
         prefetch: issued as a prefetch (it may be reordered behind later demand copies).
+        ahead: a prefetch for the layer after the next (l+2): it yields to every demand copy and to
+            every prefetch for the next layer (engines with a priority queue; others treat it as a
+            prefetch) until ``confirm`` or ``promote`` moves it up.
         copy_s: measured duration of the copy itself in seconds (CPU only; 0 on CUDA).
         start, end: when the copy itself ran, on the ``mark()`` clock (perf_counter seconds on CPU,
             timing events on CUDA), so ``Span(start, end)`` places it on a timeline; None until known.
@@ -74,6 +77,7 @@ class Ticket:
     start: object = None
     end: object = None
     prefetch: bool = False
+    ahead: bool = False
 
 
 class TransferEngine:
@@ -81,10 +85,12 @@ class TransferEngine:
 
     bytes_moved: int = 0
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False,
+               ahead: bool = False) -> Ticket:
         """Start copying packed expert ``src`` [P] (host) into ``dst`` [P] (device slot ``slot``).
 
-        ``prefetch`` copies yield to demand copies that were queued later, where the engine can reorder.
+        ``prefetch`` copies yield to demand copies that were queued later, where the engine can reorder;
+        ``ahead`` (with ``prefetch``) ones yield to those and to every other prefetch (Ticket.ahead).
         """
         raise NotImplementedError
 
@@ -115,6 +121,11 @@ class TransferEngine:
         """A queued prefetch ``ticket`` is needed by the layer about to run: what of it has not started
         goes with the demand copies, in its own queue place (before demand copies queued after it).
         Engines that cannot reorder keep it where it is (the default)."""
+
+    def confirm(self, ticket: Ticket) -> None:
+        """The ahead copy ``ticket`` is now the next layer's prediction too: what of it has not started
+        goes with the other prefetches, in its own queue place. Engines without levels: nothing to do."""
+        ticket.ahead = False
 
     def landed(self, ticket: Ticket) -> bool:
         """True when ``ticket``'s copy can no longer write its slot (finished, waited or cancelled);

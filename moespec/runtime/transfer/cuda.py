@@ -225,9 +225,10 @@ class CudaTransferEngine(TransferEngine):
             self._error = exc
 
     # --- the TransferEngine interface ---------------------------------------------------------
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False,
+               ahead: bool = False) -> Ticket:
         nbytes = src.numel() * src.element_size()
-        ticket = Ticket(nbytes=nbytes, slot=slot, prefetch=prefetch)
+        ticket = Ticket(nbytes=nbytes, slot=slot, prefetch=prefetch)  # ahead: one prefetch queue here
         free = self._free[slot] if 0 <= slot < len(self._free) else None
         job = _Job(dst, src, ticket, free)
         with self._cv:

@@ -25,7 +25,9 @@ reader's own GB/s, and prefetch made the router arm slower than on-demand):
   the layer's demand reads do not queue behind the rest of a row nobody reads.
 - While a demand read is queued or running no prefetch chunk starts (the disk has no priorities:
   a prefetch read beside a demand read halves the demand read's speed); prefetch chunks fill the
-  disk only while compute needs nothing from it.
+  disk only while compute needs nothing from it. An ahead read (Ticket.ahead: a prediction of the
+  layer after the next, runtime/layer/ahead.py) starts only when no demand or next-layer prefetch
+  chunk is queued (queue.py's AHEAD priority), and never beside a demand chunk.
 
 Each row is checked against its XXH3-128 checksum as it lands (moespec.integrity's hasher, ~10x the
 disk's speed on one core): a row that does not match, a short read (the file was truncated) or an
@@ -48,7 +50,7 @@ import torch
 from moespec.errors import CheckpointError
 from moespec.integrity import new_hasher
 from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
-from moespec.runtime.transfer.queue import CopyQueue
+from moespec.runtime.transfer.queue import DEMAND, PREFETCH, CopyQueue, priority
 
 DEFAULT_READERS = 8  # reads in flight: what saturates this machine's SSD (README, "Experts on disk")
 CHUNK_BYTES = 2 << 20  # one read of a row; a multiple of the O_DIRECT alignment (module docstring)
@@ -137,7 +139,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
         chunks while a demand chunk is running and ``prefetch_beside`` prefetch chunks run (module docstring)."""
         heap = self._heap
         busy = self._demand_running and self._running - self._demand_running >= self.prefetch_beside
-        if not heap or (heap[0][0] == 1 and busy):
+        if not heap or (heap[0][0] != DEMAND and heap[0][2] is not None and busy):
             return None
         return heapq.heappop(heap)
 
@@ -256,14 +258,15 @@ class DiskReadEngine(CopyQueue, TransferEngine):
         step = self.chunk_bytes
         starts = range(0, max(total, 1), step)
         rd = _Read(ticket, dst, src, len(starts))
-        priority = 1 if ticket.prefetch else 0
+        level = priority(ticket)
         for start in starts:
-            heapq.heappush(self._heap, (priority, next(self._seq), (rd, start, min(step, total - start))))
+            heapq.heappush(self._heap, (level, next(self._seq), (rd, start, min(step, total - start))))
         self._cv.notify_all()
 
     # --- the TransferEngine contract ---------------------------------------------------------------
-    def submit(self, dst: torch.Tensor, src, slot: int, prefetch: bool = False) -> Ticket:
-        ticket = Ticket(nbytes=src.nbytes, slot=slot, done=threading.Event(), prefetch=prefetch)
+    def submit(self, dst: torch.Tensor, src, slot: int, prefetch: bool = False, ahead: bool = False) -> Ticket:
+        ticket = Ticket(nbytes=src.nbytes, slot=slot, done=threading.Event(), prefetch=prefetch,
+                        ahead=prefetch and ahead)
         with self._cv:
             self._pending += 1
             self._enqueue_locked(dst, src, ticket)
@@ -323,13 +326,23 @@ class DiskReadEngine(CopyQueue, TransferEngine):
     def promote(self, ticket: Ticket) -> None:
         """Compute needs ``ticket`` (its layer settled it, or waits for it): its chunks still queued go
         with the demand reads, in their first queue place (so before the layer's demand misses)."""
+        self._move(ticket, DEMAND)
+
+    def confirm(self, ticket: Ticket) -> None:
+        """The ahead read ``ticket`` is the next layer's prediction now: its queued chunks go with the
+        next layer's prefetch reads (base.py), in their first queue place."""
+        self._move(ticket, PREFETCH)
+
+    def _move(self, ticket: Ticket, to: int) -> None:
+        """``ticket``'s chunks still queued at a lower priority than ``to`` get ``to`` (same sequence)."""
+        ticket.ahead = False
         if ticket.done.is_set():
             return
         with self._cv:
             heap = self._heap
-            for i, (priority, seq, job) in enumerate(heap):
-                if priority == 1 and job is not None and job[0].ticket is ticket:
-                    heap[i] = (0, seq, job)
+            for i, (level, seq, job) in enumerate(heap):
+                if level > to and job is not None and job[0].ticket is ticket:
+                    heap[i] = (to, seq, job)
             heapq.heapify(heap)
             self._cv.notify_all()
 

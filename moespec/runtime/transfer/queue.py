@@ -1,7 +1,7 @@
 """CopyQueue: the demand-first, cancellable queue both CPU engines share (thread.py copies, disk.py reads).
 
-A job is (dst, src, ticket). Demand jobs (priority 0) go before every queued prefetch (1), FIFO
-within each kind; a job into a slot supersedes a prefetch into that slot still queued; a prefetch
+A job is (dst, src, ticket). Demand jobs (priority 0) go before every queued prefetch (1), and those
+before every queued ahead prefetch (1.5: for the layer after the next, Ticket.ahead), FIFO within each; a job into a slot supersedes a prefetch into that slot still queued; a prefetch
 not yet started can be cancelled, and ``bytes_moved`` then forgets its bytes. Sentinels use
 priorities 2 (synchronize) and 3 (stop). The engine's workers pop under ``_cv``.
 """
@@ -14,6 +14,13 @@ import threading
 import time
 
 from moespec.runtime.transfer.base import Ticket
+
+DEMAND, PREFETCH, AHEAD = 0, 1, 1.5  # heap priorities (module docstring); sentinels use 2 and 3
+
+
+def priority(ticket: Ticket) -> float:
+    """The heap priority of ``ticket``'s job: DEMAND, PREFETCH or AHEAD."""
+    return (AHEAD if ticket.ahead else PREFETCH) if ticket.prefetch else DEMAND
 
 
 class CopyQueue:
@@ -36,7 +43,7 @@ class CopyQueue:
         if ticket.prefetch:
             self._queued[ticket.slot] = ticket
         self.bytes_moved += ticket.nbytes
-        heapq.heappush(self._heap, (1 if ticket.prefetch else 0, next(self._seq), (dst, src, ticket)))
+        heapq.heappush(self._heap, (priority(ticket), next(self._seq), (dst, src, ticket)))
         self._cv.notify()
 
     def _cancel_locked(self, ticket: Ticket) -> bool:

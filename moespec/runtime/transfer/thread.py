@@ -76,9 +76,10 @@ class ThreadTransferEngine(CopyQueue, TransferEngine):
             self._busy_s += ticket.copy_s
             ticket.done.set()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False) -> Ticket:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, slot: int, prefetch: bool = False,
+               ahead: bool = False) -> Ticket:
         nbytes = src.numel() * src.element_size()
-        ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event(), prefetch=prefetch)
+        ticket = Ticket(nbytes=nbytes, slot=slot, done=threading.Event(), prefetch=prefetch, ahead=prefetch and ahead)
         with self._cv:
             self._enqueue_locked(dst, src, ticket)
         return ticket
