@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lowbit_weights import random_lowbit
 
 from moespec.kernels import linear as L
@@ -54,7 +55,8 @@ SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128)
 @needs_512
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows,cols,group", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 3])  # 3: int8 activations token by token (exact t > 1 stays AVX2)
+# t > 1: tiles of 4 tokens x 4 rows (2, 4), of 8 tokens x 2 rows and a shorter last tile (9, 16)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 9, 16])
 def test_lowbit_avx512_equals_the_reference_and_avx2(bits, rows, cols, group, tokens):
     w = random_lowbit(bits, rows, cols, group, seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols))
@@ -79,6 +81,21 @@ def test_bf16_rows_avx512_equal_linear_and_avx2(rows, cols):
         y5, out = _raw(x, w), L.linear(x, w)
     assert _rel(y5, y2) < 2e-6
     assert out.dtype == torch.bfloat16 and _rel(out, L.linear_reference(x, w)) < 2**-8
+
+
+@needs_512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,tokens", [(37, 80, 2), (9, 2048, 4), (6, 768, 16), (5, 2880, 11), (7, 13, 3)])
+def test_float_rows_several_tokens_avx512_equal_the_reference_and_avx2(dtype, rows, cols, tokens):
+    """t > 1 float rows (avx512_tokens.c; C % 16 != 0 stays AVX2) with float32 activations."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    w, x = torch.randn(rows, cols, generator=gen).to(dtype), torch.randn(tokens, cols, generator=gen)
+    with isa("avx2"):
+        y2 = _raw(x, w)
+    with isa("avx512"):
+        y5 = _raw(x, w)
+    assert _rel(y5, y2) < 2e-6
+    assert _rel(y5, F.linear(x, w.float())) < 2e-6
 
 
 @needs_512
