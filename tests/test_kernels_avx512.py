@@ -158,3 +158,34 @@ def test_without_avx512_the_avx2_kernels_run_with_a_one_line_note(monkeypatch, e
         monkeypatch.undo()
         native.status.cache_clear()
         native.status()  # the default choice again (the library is one process-wide handle)
+
+
+@pytest.mark.skipif(native.library() is None, reason=native.status().note or "")
+@pytest.mark.parametrize("env,has_512,shown", [
+    ({"MOESPEC_CPU_ISA": "avx2"}, True, "MOESPEC_CPU_ISA=avx2: the CPU kernels use AVX2"),
+    ({"MOESPEC_CPU_ISA": "x" * 60}, True, "MOESPEC_CPU_ISA=" + "x" * 8 + " is not auto, avx2 or avx512"),
+    ({"MOESPEC_CPU_ISA": "avx2"}, False, None),  # no AVX-512 to turn off: AVX2 is this CPU's best, no note
+    ({}, False, None),
+])
+def test_the_loader_shows_the_isa_note_once_only_where_avx512_is_turned_off(monkeypatch, env, has_512, shown):
+    from types import SimpleNamespace
+
+    from moespec.config import OnMiss
+    from moespec.runtime import load
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    flags = set(native.NEEDED) | (set(native.NEEDED_512) if has_512 else {"avx512f"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    native.status.cache_clear()
+    try:
+        note = load._kernel_note(torch.device("cpu"), SimpleNamespace(on_miss=OnMiss.HOST))
+        if shown is None:
+            assert note is None
+        else:
+            assert note is not None and note.startswith(shown) and "\n" not in note and len(note) <= 80
+        assert load._kernel_note(torch.device("cuda"), SimpleNamespace(on_miss=OnMiss.FETCH)) is None
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()
+        native.status()
