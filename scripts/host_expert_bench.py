@@ -7,7 +7,8 @@ format (float32, bfloat16, int8, int4 with float32 activations = exact; w8a8 / w
 rows with int8 activations, not exact), it fills an expert store with enough distinct random
 experts that they are not cache-resident (>= 256 MB, 8..24 experts), and times the host pool
 (moespec.runtime.misses.host_pool.HostExpertPool: one dispatch of k experts per layer, split by experts
-or rows) computing them for t tokens with 1..cores worker threads. Per row it prints ms per expert
+or rows) computing them for t tokens with 1..cores threads (N threads: N - 1 workers and the caller,
+which runs the units no worker took; 1: one worker, the caller only waits). Per row it prints ms per expert
 (median of --reps passes over every expert), GB/s of row bytes, the memory read GB/s of the same
 run with the same threads (``torch.sum`` over a 1 GB float32 tensor with that many intra-op
 threads, best of 3, measured right before the row's timing) and the share (row GB/s / memory read).
@@ -131,7 +132,12 @@ def time_pool(store: ExpertStore, dtype: torch.dtype, tokens: int, threads: int,
                 for e, xe in batch:
                     layout.forward(xe, store.expert(0, e), act)
     else:
-        pool = HostExpertPool(store, torch.device("cpu"), threads, split, caller_helps=path != "waits")
+        # ``threads`` threads compute, as many as the memory read uses: the helping caller is one of
+        # them (threads - 1 workers); one thread: one worker and a caller that only waits ("waits":
+        # ``threads`` workers, the caller waits)
+        helps = path != "waits" and threads > 1
+        pool = HostExpertPool(store, torch.device("cpu"), threads - 1 if helps else threads, split,
+                              caller_helps=helps)
 
         def one_pass() -> None:
             for batch in batches:
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="qwen3, gpt-oss")
     ap.add_argument("--formats", default=",".join(FORMATS), help=", ".join(FORMATS))
     ap.add_argument("--tokens", default="1,4,16", help="tokens per expert (comma list)")
-    ap.add_argument("--threads", default=",".join(map(str, range(1, cores + 1))), help="worker threads (comma list)")
+    ap.add_argument("--threads", default=",".join(map(str, range(1, cores + 1))), help="computing threads, the caller included (comma list)")
     ap.add_argument("--split", default="auto", choices=[s.value for s in Split], help="how a batch is cut")
     ap.add_argument("--reps", type=int, default=5, help="timed passes over every expert")
     ap.add_argument("--per-dispatch", type=int, default=0,

@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lowbit_weights import random_lowbit
 
 from moespec.kernels import linear as L
@@ -54,7 +55,8 @@ SHAPES = [(40, 80, 64), (33, 48, 32), (9, 16, 64), (17, 96, 256), (6, 2048, 128)
 @needs_512
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows,cols,group", SHAPES)
-@pytest.mark.parametrize("tokens", [1, 3])  # 3: int8 activations token by token (exact t > 1 stays AVX2)
+# t > 1: tiles of 4 tokens x 4 rows (2, 4), of 8 tokens x 2 rows and a shorter last tile (9, 16)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 9, 16])
 def test_lowbit_avx512_equals_the_reference_and_avx2(bits, rows, cols, group, tokens):
     w = random_lowbit(bits, rows, cols, group, seed=rows + cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(cols))
@@ -79,6 +81,21 @@ def test_bf16_rows_avx512_equal_linear_and_avx2(rows, cols):
         y5, out = _raw(x, w), L.linear(x, w)
     assert _rel(y5, y2) < 2e-6
     assert out.dtype == torch.bfloat16 and _rel(out, L.linear_reference(x, w)) < 2**-8
+
+
+@needs_512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,tokens", [(37, 80, 2), (9, 2048, 4), (6, 768, 16), (5, 2880, 11), (7, 13, 3)])
+def test_float_rows_several_tokens_avx512_equal_the_reference_and_avx2(dtype, rows, cols, tokens):
+    """t > 1 float rows (avx512_tokens.c; C % 16 != 0 stays AVX2) with float32 activations."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    w, x = torch.randn(rows, cols, generator=gen).to(dtype), torch.randn(tokens, cols, generator=gen)
+    with isa("avx2"):
+        y2 = _raw(x, w)
+    with isa("avx512"):
+        y5 = _raw(x, w)
+    assert _rel(y5, y2) < 2e-6
+    assert _rel(y5, F.linear(x, w.float())) < 2e-6
 
 
 @needs_512
@@ -141,3 +158,34 @@ def test_without_avx512_the_avx2_kernels_run_with_a_one_line_note(monkeypatch, e
         monkeypatch.undo()
         native.status.cache_clear()
         native.status()  # the default choice again (the library is one process-wide handle)
+
+
+@pytest.mark.skipif(native.library() is None, reason=native.status().note or "")
+@pytest.mark.parametrize("env,has_512,shown", [
+    ({"MOESPEC_CPU_ISA": "avx2"}, True, "MOESPEC_CPU_ISA=avx2: the CPU kernels use AVX2"),
+    ({"MOESPEC_CPU_ISA": "x" * 60}, True, "MOESPEC_CPU_ISA=" + "x" * 8 + " is not auto, avx2 or avx512"),
+    ({"MOESPEC_CPU_ISA": "avx2"}, False, None),  # no AVX-512 to turn off: AVX2 is this CPU's best, no note
+    ({}, False, None),
+])
+def test_the_loader_shows_the_isa_note_once_only_where_avx512_is_turned_off(monkeypatch, env, has_512, shown):
+    from types import SimpleNamespace
+
+    from moespec.config import OnMiss
+    from moespec.runtime import load
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    flags = set(native.NEEDED) | (set(native.NEEDED_512) if has_512 else {"avx512f"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    native.status.cache_clear()
+    try:
+        note = load._kernel_note(torch.device("cpu"), SimpleNamespace(on_miss=OnMiss.HOST))
+        if shown is None:
+            assert note is None
+        else:
+            assert note is not None and note.startswith(shown) and "\n" not in note and len(note) <= 80
+        assert load._kernel_note(torch.device("cuda"), SimpleNamespace(on_miss=OnMiss.FETCH)) is None
+    finally:
+        monkeypatch.undo()
+        native.status.cache_clear()
+        native.status()

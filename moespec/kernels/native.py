@@ -171,7 +171,7 @@ def _choose_isa(lib: ctypes.CDLL) -> tuple[str, str | None]:
     if want == "avx2":
         note = "MOESPEC_CPU_ISA=avx2: the CPU kernels use AVX2"
     elif want not in ("auto", "avx512"):
-        note = f"MOESPEC_CPU_ISA={want} is not auto, avx2 or avx512: the CPU kernels use AVX2"
+        note = f"MOESPEC_CPU_ISA={want[:8]} is not auto, avx2 or avx512: the CPU kernels use AVX2"
     elif missing:
         note = f"this CPU lacks {'/'.join(m.upper() for m in missing)}: the CPU kernels use AVX2"
     else:
@@ -180,6 +180,19 @@ def _choose_isa(lib: ctypes.CDLL) -> tuple[str, str | None]:
     if note is None and not on:  # /proc/cpuinfo lists them, the OS does not save zmm state
         note = "the OS does not enable AVX-512: the CPU kernels use AVX2"
     return ISAS[on], note
+
+
+def isa_notice() -> str | None:
+    """The ISA note a user should see (once, in the loader's notes), or None.
+
+    Only where this CPU has every AVX-512 feature the kernels need and they are off anyway
+    (MOESPEC_CPU_ISA=avx2 or an unknown value, or the OS does not save zmm state): then the user
+    runs slower kernels than the CPU allows. A CPU without AVX-512 runs its best kernels: no note.
+    """
+    s = status()
+    if s.lib is None or s.isa_note is None or any(f not in cpu_flags() for f in NEEDED_512):
+        return None
+    return s.isa_note
 
 
 def set_isa(name: str) -> str:

@@ -286,10 +286,11 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
 
 def _kernel_note(device: torch.device, cfg: RuntimeConfig) -> str | None:
     """The one-line note when experts will be computed on the CPU (a CPU run, or misses on the host)
-    without the native kernels (moespec.kernels.native: no AVX2/FMA/F16C, no compiler, ...)."""
+    without the native kernels (moespec.kernels.native: no AVX2/FMA/F16C, no compiler, ...), or
+    with AVX2 kernels on a CPU that has the AVX-512 ones turned off (native.isa_notice)."""
     if device.type != "cpu" and cfg.on_miss == OnMiss.FETCH:
         return None
-    return native.status().note
+    return native.status().note or native.isa_notice()
 
 
 def _load_weights(model: nn.Module, adapter: MoeAdapter, store: ExpertStore, source: CheckpointSource,

@@ -16,7 +16,8 @@
  *   int8 activations: per group the integer dot sum q * xq by vpdpbusd (unsigned codes x signed
  *     xq, 4 products per int32 lane, no saturation: |sum| <= 256 * 255 * 127 < 2**31), then
  *     y = sum_j s_j d_j (dot_j - z_j qsum_j), as the AVX2 kernels (equal integer dots).
- * float32 rows stay on AVX2: zmm measured slower there (0.841 vs 0.775 ms per Qwen3-shaped expert).
+ * float32 rows stay on AVX2 at t = 1: zmm measured slower there (0.841 vs 0.775 ms per Qwen3-shaped
+ * expert). Several tokens (2 <= t <= 16, every row format): avx512_tokens.c.
  */
 #include "avx512.h"
 

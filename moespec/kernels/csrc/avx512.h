@@ -16,6 +16,10 @@ int isa512_on(void);
  * or bfloat16 rows with activations that are not bfloat16 values), so the AVX2 kernel runs. */
 int t1_avx512(int kind, const float* x, const float* xs, const void* w, const uint16_t* scales,
               const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1);
+/* 2 <= T <= 16 tokens, float32 activations (exact products; avx512_tokens.c): returns 1 where it
+ * has no kernel, so the AVX2 ones run. */
+int tokens_avx512(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,
+                  const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
 /* int8 activations (linear_a8's contract; VNNI dot products). */
 int a8_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T, const uint8_t* codes,
               const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);

@@ -180,6 +180,7 @@ int linear_f32act(int kind, const float* x, i64 T, i64 ldx, const void* w, const
             default: return -1;
         }
     }
+    if (isa512_on() && tokens_avx512(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1) == 0) return 0;
     if (T >= TILES_MIN_T) return linear_tiles(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1);
     return linear_tokens(kind, x, T, ldx, w, scales, zeros, C, g, y, ldy, r0, r1);
 }
