@@ -1,10 +1,13 @@
-"""Cold-weight matrix-vector products at t = 1, one thread: F.linear against the native GEMV.
+"""Cold-weight matrix-vector products at t = 1, one thread: the native GEMV against F.linear,
+torch.mv and torch.sum (the read speed of a plain stream) on the same weights, on 4 KB and 2 MB pages.
 
-    python scripts/dense_gemv_bench.py [--mb 300]
+    python scripts/dense_gemv_bench.py [--mb 300] [--pages 4k|2m|both]
 
 For each shape (the default model's dense shapes, and a tiny one), enough weights to fill ``--mb``
-MB are cycled through, so every product reads its weight from memory, not from a cache. Prints
-microseconds per product and the GB/s read (best of 3 passes); the last line is one JSON object.
+MB are cycled through, so every product reads its weight from memory, not from a cache. The weights
+of the ``2m`` rows lie on 2 MB pages (runtime/host/hugepages.py, as moespec's bound weights and
+expert stores do), those of ``4k`` in torch.empty buffers. Prints microseconds per product and the
+GB/s read (best of 3 passes); the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -32,24 +35,34 @@ def _pass_us(fn, ws, x) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=300)
+    parser.add_argument("--pages", choices=("4k", "2m", "both"), default="both")
     args = parser.parse_args()
     import torch
     import torch.nn.functional as F
 
     from moespec.kernels.linear import linear
+    from moespec.runtime.host import hugepages
 
     torch.set_num_threads(1)
+    fns = {"native": linear, "f_linear": F.linear, "mv": lambda x, w: torch.mv(w, x[0]),
+           "sum": lambda x, w: w.sum()}
     rows = []
     for r, c in SHAPES:
-        ws = [torch.randn(r, c) for _ in range(max(4, int(args.mb * 1e6 // (r * c * 4))))]
         x = torch.randn(1, c)
-        ref, nat = _pass_us(F.linear, ws, x), _pass_us(linear, ws, x)
-        mb = r * c * 4 / 1e6
-        rows.append({"shape": [r, c], "f_linear_us": ref, "native_us": nat, "f_linear_gbps": mb / ref * 1e3,
-                     "native_gbps": mb / nat * 1e3})
-        print(f"{r}x{c}: F.linear {ref:8.1f} us ({mb / ref * 1e3:4.1f} GB/s), native {nat:8.1f} us "
-              f"({mb / nat * 1e3:4.1f} GB/s)", file=sys.stderr)
-    print(json.dumps({"rows": rows, "torch": torch.__version__}))
+        for pages in (["4k", "2m"] if args.pages == "both" else [args.pages]):
+            make = (lambda: torch.randn(r, c)) if pages == "4k" else \
+                (lambda: hugepages.empty((r, c), torch.float32).normal_())
+            ws = [make() for _ in range(max(4, int(args.mb * 1e6 // (r * c * 4))))]
+            mb = r * c * 4 / 1e6
+            row = {"shape": [r, c], "pages": pages}
+            for name, fn in fns.items():
+                us = _pass_us(fn, ws, x)
+                row[f"{name}_us"], row[f"{name}_gbps"] = us, mb / us * 1e3
+            rows.append(row)
+            print(f"{r}x{c} {pages}: " + "  ".join(f"{n} {row[f'{n}_us']:7.1f} us {row[f'{n}_gbps']:4.1f} GB/s"
+                                                   for n in fns), file=sys.stderr)
+            del ws
+    print(json.dumps({"rows": rows, "torch": torch.__version__, "huge_pages": hugepages.enabled()}))
     return 0
 
 

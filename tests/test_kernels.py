@@ -51,7 +51,7 @@ def test_native_dequantisation_is_bit_for_bit_the_reference(bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols", [(37, 80), (5, 13), (64, 576)])
+@pytest.mark.parametrize("rows,cols", [(37, 80), (5, 13), (64, 576), (9, 1037)])
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_dense_kernels_equal_linear(dtype, rows, cols, tokens):
     gen = torch.Generator().manual_seed(2)

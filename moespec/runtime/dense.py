@@ -32,7 +32,7 @@ Under torch.compile (runtime/compile.py) the native call is the custom op ``moes
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ from moespec.kernels import spin
 from moespec.kernels.lowbit import COL_MULTIPLE, LowBitWeight, dequantize
 from moespec.runtime import dense_call
 from moespec.runtime.forwards import restore_forwards
+from moespec.runtime.host import hugepages
 
 DENSE_DTYPES = ("auto", "float32", "bf16", "bfloat16", "int8")
 GROUP_SIZE = 64  # as the experts' default (models/quant.DEFAULT_GROUP_SIZE)
@@ -168,13 +169,21 @@ def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, devi
         linears = {m for _, m in chosen}
         qkv, mlps = dense_call.qkv_groups(model, linears), dense_call.mlp_groups(model, linears)
         for owner, parts in qkv + mlps:
-            fused = stored_weight(torch.cat([p.weight.detach() for p in parts]), fmt)
+            fused = on_huge_pages(stored_weight(torch.cat([p.weight.detach() for p in parts]), fmt))
             for p, w in zip(parts, dense_call.row_slices(fused, [p.out_features for p in parts])):
                 stored[p] = w
             stored[owner] = fused
     ops = _custom_ops()
     for name, module in chosen:
-        w = stored[module] if module in stored else stored_weight(module.weight, fmt)
+        if module in stored:
+            w = stored[module]
+        elif fmt is None:  # the module's own weight: onto 2 MB pages in place
+            if native:
+                _weight_on_huge_pages(module)
+            w = stored_weight(module.weight, fmt)
+        else:
+            w = stored_weight(module.weight, fmt)
+            w = on_huge_pages(w) if native else w
         path.weights[module] = w
         path.native.add(name)
         path._undo.append((module, module.__dict__.get("forward")))
@@ -187,6 +196,28 @@ def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, devi
     path.fused = len(qkv) + len(mlps)
     _free_replaced(model, path, compute)
     return path
+
+
+def on_huge_pages(w):
+    """``w`` copied onto 2 MB pages (runtime/host/hugepages.py) when it is a CPU tensor of at least
+    ``hugepages.MIN_BYTES`` (a LowBitWeight: its codes); otherwise ``w`` itself (small, on a device)."""
+    if isinstance(w, LowBitWeight):
+        codes = on_huge_pages(w.codes)
+        return w if codes is w.codes else replace(w, codes=codes)
+    if (w.device.type != "cpu" or not hugepages.enabled()
+            or w.numel() * w.element_size() < hugepages.MIN_BYTES):
+        return w
+    return hugepages.copy(w)
+
+
+def _weight_on_huge_pages(module: nn.Linear) -> None:
+    """Move the float weight the auto ``--dense-dtype`` keeps as it is (the stored weight is the
+    module's own Parameter, or a tied embedding's) onto 2 MB pages in place (``param.data``): every
+    module sharing the Parameter reads the huge-page copy, and no second copy is kept."""
+    data = module.weight.data
+    moved = on_huge_pages(data)
+    if moved is not data:
+        module.weight.data = moved
 
 
 def _free_replaced(model: nn.Module, path: DensePath, compute: torch.dtype) -> None:

@@ -38,6 +38,7 @@ from moespec.artifacts import model_key, sanitize_model_id
 from moespec.integrity import new_hasher
 from moespec.models.base import ExpertLayout
 from moespec.paths import moespec_home
+from moespec.runtime.host import hugepages
 from moespec.runtime.host.store import ExpertStore
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the logical block (<= 4096 here)
@@ -147,7 +148,12 @@ class DiskStore:
         """RAM slots [S, P] for rows read with O_DIRECT: page-aligned, one stride apart (the padding
         takes the read's round-up to ALIGN)."""
         assert device.type == "cpu", "the disk tier reads into host RAM"
-        raw = mmap.mmap(-1, max(num_slots * self.stride, 1))  # anonymous: page-aligned, zero on first touch
+        raw = mmap.mmap(-1, max(num_slots * self.stride, 1), flags=hugepages.PRIVATE)  # page-aligned, zero on first touch
+        if hugepages.enabled():  # the CPU kernels stream experts from the slots (host/hugepages.py)
+            try:
+                raw.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # THP off: 4 KB pages
         self._slot_maps.append(raw)
         buf = torch.frombuffer(raw, dtype=torch.uint8, count=num_slots * self.stride) if num_slots else \
             torch.empty(0, dtype=torch.uint8)

@@ -6,7 +6,8 @@ buffer [M, E, P]: one expert is one contiguous row, so one copy moves one expert
 is the layout's storage dtype (the model dtype, or uint8 for packed formats such as MXFP4). The buffer is
 pinned (page-locked) when the device is CUDA, so copies are asynchronous and run at full link
 speed: exactly its size, registered under that device (host_memory.PinnedBuffer), not through the
-caching host allocator, which would round it up to a power of two. On CPU it stays pageable.
+caching host allocator, which would round it up to a power of two. On CPU it stays pageable, on 2 MB
+pages (host/hugepages.py: the CPU kernels stream experts from it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from moespec.errors import CheckpointError
 from moespec.models.base import ExpertLayout
+from moespec.runtime.host import hugepages
 from moespec.runtime.host.memory import PinnedBuffer
 
 
@@ -53,8 +55,8 @@ class ExpertStore:
                 torch.device("cuda", torch.cuda.current_device())
             self._pinned = PinnedBuffer(self.bytes_needed(len(self.moe_layers), num_experts, layout, dtype), dev)
             self.buffer = self._pinned.tensor.view(self.dtype).view(shape)  # [M, E, P]
-        else:
-            self.buffer = torch.empty(shape, dtype=self.dtype)  # [M, E, P]
+        else:  # the CPU kernels stream experts from it: 2 MB pages (hugepages.py)
+            self.buffer = hugepages.empty(shape, self.dtype)  # [M, E, P]
         self.pinned = pin
         # Which parts of which expert have been written: loading checks nothing is missing.
         self._written: set[tuple[int, int, str]] = set()
@@ -87,6 +89,8 @@ class ExpertStore:
 
     def slot_rows(self, num_slots: int, device: torch.device) -> torch.Tensor:
         """The device cache's slots [S, P] for rows of this store (the disk store's are aligned for O_DIRECT)."""
+        if device.type == "cpu":  # the CPU kernels stream experts from them: 2 MB pages (hugepages.py)
+            return hugepages.empty((num_slots, self.layout.numel), self.dtype)
         return torch.empty(num_slots, self.layout.numel, dtype=self.dtype, device=device)
 
     @property
