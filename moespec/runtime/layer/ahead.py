@@ -15,8 +15,8 @@ with its other pins (kept, cancelled, cut or wasted).
 Reads happen only while the lookahead's own running recall (measured at every decode layer it
 predicted, ``recall``: mean |predicted ∩ true| / K over the last ``window`` predicted layers) is at
 least ``min_recall``; it predicts (one norm and one H x E router product) always, so the recall stays
-measured while reads are off. :class:`NoAhead` is the no-op twin (the default: see docs/decisions.md
-for what the hold measured).
+measured while reads are off. :class:`NoAhead` is the no-op twin and the default: on the disk tier
+a full RAM tier never has the free room (docs/decisions.md, 2026-12-03 "Layer l+2 ahead reads").
 """
 
 from __future__ import annotations
