@@ -15,7 +15,7 @@ import torch
 
 from moespec.errors import CheckpointError
 from moespec.models.base import ExpertLayout
-from moespec.runtime.host.memory import PinnedBuffer
+from moespec.runtime.host.memory import PinnedBuffer, huge_page_bytes
 
 
 class ExpertStore:
@@ -53,8 +53,9 @@ class ExpertStore:
                 torch.device("cuda", torch.cuda.current_device())
             self._pinned = PinnedBuffer(self.bytes_needed(len(self.moe_layers), num_experts, layout, dtype), dev)
             self.buffer = self._pinned.tensor.view(self.dtype).view(shape)  # [M, E, P]
-        else:
-            self.buffer = torch.empty(shape, dtype=self.dtype)  # [M, E, P]
+        else:  # 2 MiB pages where the kernel gives them (memory.huge_page_bytes)
+            nbytes = self.bytes_needed(len(self.moe_layers), num_experts, layout, dtype)
+            self.buffer = huge_page_bytes(nbytes).view(self.dtype).view(shape)  # [M, E, P]
         self.pinned = pin
         # Which parts of which expert have been written: loading checks nothing is missing.
         self._written: set[tuple[int, int, str]] = set()
