@@ -45,6 +45,7 @@ from moespec.kernels.expert_batch import Split  # noqa: E402
 from moespec.models.layout import ExpertLayout  # noqa: E402
 from moespec.models.quant_layout import QuantLayout  # noqa: E402
 from moespec.runtime.misses.host_pool import HostExpertPool  # noqa: E402
+from moespec.runtime.host import hugepages  # noqa: E402
 from moespec.runtime.host.store import ExpertStore  # noqa: E402
 
 SHAPES = {"qwen3": (2048, 768, 8), "gpt-oss": (2880, 2880, 4)}  # H, I, experts per dispatch (top-k)
@@ -55,11 +56,14 @@ MAX_EXPERTS = 24
 
 
 def memory_read_gbs(threads: int, gib: float = 1.0) -> float:
-    """Best of 3 ``torch.sum`` over ``gib`` GiB of float32 with ``threads`` intra-op threads (GB/s)."""
+    """Best of 3 ``torch.sum`` over ``gib`` GiB of float32 with ``threads`` intra-op threads (GB/s).
+
+    The tensor lives in memory of the expert store's kind (host/hugepages.py: 2 MiB pages where
+    the kernel gives them), so the share compares reads of the same pages."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.ones(int(gib * 2**30) // 4)
+        a = hugepages.empty((int(gib * 2**30) // 4,), torch.float32).fill_(1.0)
         a.sum()
         best = 0.0
         for _ in range(3):

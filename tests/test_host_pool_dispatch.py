@@ -76,24 +76,3 @@ def test_expert_units_build_no_weight_views():
         assert pool._job(0, x, 0, ACT, rows=True).weights is not None
     finally:
         pool.close()
-
-
-
-@pytest.mark.parametrize("helps,cuts", [(True, [(0, 24), (24, 48), (48, 64)]), (False, [(0, 32), (32, 64)])])
-def test_a_rows_split_is_cut_for_the_workers_and_the_helping_caller(monkeypatch, helps, cuts):
-    """Two workers: a helping caller is a third taker, so each weight's 64 rows go in 3 ranges
-    (multiples of ROW_ALIGN), not 2 that leave a worker idle while the caller computes."""
-    from moespec.runtime.misses import host_pool
-
-    made = []
-    real = host_pool.ExpertBatch
-    monkeypatch.setattr(host_pool, "ExpertBatch", lambda *a: made.append(real(*a)) or made[-1])
-    store = _store()
-    pool = HostExpertPool(store, torch.device("cpu"), threads=2, split=Split.ROWS, caller_helps=helps)
-    try:
-        x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
-        got = pool.submit_layer(0, [(2, x)], ACT)[0].result().raw
-        assert [(u[2], u[3]) for u in made[0].units if u[0] == "w1"] == cuts
-        assert torch.equal(got, store.layout.for_layer(0).forward(x, store.expert(0, 2), ACT))
-    finally:
-        pool.close()

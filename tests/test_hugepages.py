@@ -72,3 +72,15 @@ def test_dense_weights_move_to_huge_pages_and_decode_as_the_reference(tmp_path, 
     finally:
         om.close()
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
+
+
+def test_a_cpu_store_large_enough_lives_on_huge_page_memory_and_keeps_its_rows():
+    from moespec.models.layout import ExpertLayout
+    from moespec.runtime.host.store import ExpertStore
+
+    layout = ExpertLayout(hidden=256, intermediate=256)  # 768 KiB a float32 expert, 4.5 MiB a store
+    store = ExpertStore([0, 1], 3, layout, torch.float32)
+    assert store.buffer.data_ptr() % hugepages.HUGE_BYTES == 0
+    assert store.buffer.shape == (2, 3, layout.numel)
+    store.expert(1, 2).fill_(2.5)
+    assert float(store.buffer.sum()) == 2.5 * layout.numel

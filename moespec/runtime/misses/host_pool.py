@@ -127,8 +127,7 @@ class HostExpertPool:
         split: how a layer's batch is cut over the workers (by experts, by output rows, or AUTO).
 
         caller_helps: a thread waiting for a result first runs the batch's units no worker has
-            taken (HostJob.result), and a ROWS split is cut for ``threads`` + 1 takers; False: it
-            only waits (the workers alone compute, cut for ``threads``).
+            taken (HostJob.result); False: it only waits (the workers alone compute).
 
     Raises:
         OptionError: ``threads`` < 1 (names --host-threads).
@@ -190,11 +189,8 @@ class HostExpertPool:
         """
         if not items:
             return []
-        # A helping caller is one more thread taking units: cut for workers + 1, so its share is
-        # not work a worker then waits for (the caller's cut is taken by whoever is free first).
-        parts = self.threads + (1 if self.caller_helps else 0)
-        rows = choose_split(self.split, len(items), parts) == Split.ROWS
-        batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, parts)
+        rows = choose_split(self.split, len(items), self.threads) == Split.ROWS
+        batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, self.threads)
         for _ in range(min(self.threads, batch.num_units)):
             self._pool.submit(batch.run)
         helper = batch if self.caller_helps else None
