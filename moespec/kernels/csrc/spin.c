@@ -27,8 +27,11 @@
 
 #define SPIN_NS 2000000L /* 2 ms of spinning after the last chunk, then sleep */
 /* A chunk reads at least this many weight bytes (at least 8 rows); MOESPEC_SPIN_CHUNK_BYTES, read when
- * a pool starts, overrides it (benchmarks A/B it). */
-#define CHUNK_MIN_BYTES 16384
+ * a pool starts, overrides it (benchmarks A/B it). 64 KB, not 16: since the float32 kernel reads one
+ * sequential stream, small chunks cut it into pieces the prefetcher retrains on; measured (one
+ * hold, decode_floor.py, 2 threads / 1 thread float32 all resident): 16 KB 0.95x, 64 KB 1.02x,
+ * 256 KB 1.04x (16 KB also 0.93x, 0.93x in two earlier holds). */
+#define CHUNK_MIN_BYTES 65536
 /* Spinners yield the core every YIELD_NS: on a machine with more runnable threads than cores (another
  * model's pool still spinning, a host-pool worker, another process) a pure spin would hold a core
  * that the thread it waits for needs; measured on this 2-core VM with three models' pools in one
