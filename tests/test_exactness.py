@@ -11,7 +11,7 @@ import torch
 from tiny import GREEDY_PROMPT, make_checkpoint, offloaded_greedy, reference_greedy, reference_model
 
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
-from moespec.runtime.engine import Engine
+from moespec.runtime.engine import Engine, _cache_kwarg
 from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
@@ -19,18 +19,24 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 
 def _incremental_logits(om, ids: torch.Tensor) -> torch.Tensor:
-    """Logits [1, T, V]: prefill of the first 5 tokens, then one decode step per token."""
+    """Logits [1, T, V]: prefill of the first 5 tokens, then one decode step per token, each reusing the
+    KV cache under the name the forward takes (engine._cache_kwarg: ``cache`` on transformers 5.24,
+    ``past_key_values`` on 5.17, which ignores ``cache``). The cache must hold every position afterwards, and a decode step without it sees no
+    context, so a cache that were not reused fails both this check and the logits comparison."""
     engine = Engine(om)
     outs = []
     with torch.inference_mode():
         from transformers import DynamicCache
 
         kv = DynamicCache(config=om.config)
+        name = _cache_kwarg(om.model)
         om.reset_step()
-        outs.append(om.model(ids[:, :5], cache=kv, use_cache=True).logits)
+        outs.append(om.model(ids[:, :5], **{name: kv}, use_cache=True).logits)
         for t in range(5, ids.shape[1]):
             om.reset_step()
-            outs.append(om.model(ids[:, t : t + 1], cache=kv, use_cache=True).logits)
+            assert kv.get_seq_length() == t
+            outs.append(om.model(ids[:, t : t + 1], **{name: kv}, use_cache=True).logits)
+        assert kv.get_seq_length() == ids.shape[1]
     del engine
     return torch.cat(outs, dim=1)
 

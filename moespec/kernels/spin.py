@@ -9,7 +9,7 @@ Shapes: T tokens (1..16), R rows (output features), C columns (input features).
     and then sleep on a condition variable. Inside a decode step the products come tens of us apart,
     so the workers never sleep and a split costs no thread wake-up (the Python RowPool's ~50 us per
     wake-up made every split of a 1-5 MB product slower: kernels/linear.SPLIT_MIN_BYTES). Rows are
-    cut into chunks of about 16 KB of weight (multiples of 8 rows), claimed by the caller and the
+    cut into chunks of about 64 KB of weight (multiples of 8 rows), claimed by the caller and the
     workers from one counter: the product is bit-equal to the serial one (tests/test_spin.py).
   - :func:`using` / :func:`active`: the pool of this thread's decode step (runtime/threads.ThreadPlan
     sets it; a context variable, so other threads see None and run serially).

@@ -26,7 +26,12 @@
 #include "common.h"
 
 #define SPIN_NS 2000000L /* 2 ms of spinning after the last chunk, then sleep */
-#define CHUNK_MIN_BYTES 16384 /* a chunk reads at least this many weight bytes (at least 8 rows) */
+/* A chunk reads at least this many weight bytes (at least 8 rows); MOESPEC_SPIN_CHUNK_BYTES, read when
+ * a pool starts, overrides it (benchmarks A/B it). 64 KB, not 16: since the float32 kernel reads one
+ * sequential stream, small chunks cut it into pieces the prefetcher retrains on; measured (one
+ * hold, decode_floor.py, 2 threads / 1 thread float32 all resident): 16 KB 0.95x, 64 KB 1.02x,
+ * 256 KB 1.04x (16 KB also 0.93x, 0.93x in two earlier holds). */
+#define CHUNK_MIN_BYTES 65536
 /* Spinners yield the core every YIELD_NS: on a machine with more runnable threads than cores (another
  * model's pool still spinning, a host-pool worker, another process) a pure spin would hold a core
  * that the thread it waits for needs; measured on this 2-core VM with three models' pools in one
@@ -74,6 +79,7 @@ typedef struct {
     _Atomic int sleepers;
     _Atomic int stop;
     _Atomic int rc;
+    i64 chunk_bytes;
     job_t job;
 } pool_t;
 
@@ -163,6 +169,8 @@ void* spin_pool_new(int workers) {
         free(p);
         return NULL;
     }
+    const char* cb = getenv("MOESPEC_SPIN_CHUNK_BYTES");
+    p->chunk_bytes = cb && atoll(cb) > 0 ? atoll(cb) : CHUNK_MIN_BYTES;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     for (int i = 0; i < workers; i++) {
@@ -186,9 +194,9 @@ void spin_pool_free(void* pv) {
     free(p);
 }
 
-/* Rows of a chunk: about CHUNK_MIN_BYTES of weight, a multiple of 8, at least 8. */
-static i64 chunk_rows(const bound_t* b) {
-    i64 rows = (CHUNK_MIN_BYTES + b->row_bytes - 1) / b->row_bytes;
+/* Rows of a chunk: about chunk_bytes of weight, a multiple of 8, at least 8. */
+static i64 chunk_rows(const bound_t* b, i64 chunk_bytes) {
+    i64 rows = (chunk_bytes + b->row_bytes - 1) / b->row_bytes;
     return (rows + 7) / 8 * 8;
 }
 
@@ -226,7 +234,7 @@ int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 l
         group_sums(x, 1, b->C, b->C, b->g, xs_buf);
         xs = xs_buf;
     }
-    const i64 rows = chunk_rows(b);
+    const i64 rows = chunk_rows(b, p ? p->chunk_bytes : CHUNK_MIN_BYTES);
     const i64 nchunks = (b->R + rows - 1) / rows;
     if (!p || p->n == 0 || nchunks < 2)
         return linear_f32act(b->kind, x, T, b->C, b->w, b->scales, b->zeros, xs, b->C, b->g, y, ldy, 0, b->R);
