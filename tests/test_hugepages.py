@@ -72,3 +72,12 @@ def test_dense_weights_move_to_huge_pages_and_decode_as_the_reference(tmp_path, 
     finally:
         om.close()
     torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_fused_weight_equals_the_plain_concatenation(monkeypatch, huge):
+    monkeypatch.setenv("MOESPEC_HUGE_PAGES", huge)
+    parts = [torch.randn(1024, 512), torch.randn(256, 512), torch.randn(256, 512)]  # 3 MB together
+    fused = dense._fused_weight(parts, None)
+    assert torch.equal(fused, torch.cat(parts)) and fused.is_contiguous()
+    assert (fused.data_ptr() % hugepages.HUGE_BYTES == 0) == (huge == "1")
