@@ -4,10 +4,10 @@ Why: loading frees hundreds of MB of heap (a tensor cloned out of the checkpoint
 by accelerate, the float weights the dense path copies onto 2 MB pages or fuses), and glibc keeps
 freed heap chunks resident unless they sit at the top of the heap. Under a memory cgroup cap that
 memory counts like live memory: measured on the disk tier's 8-layer int8 Qwen3-30B-A3B slice
-(scripts/disk_tier_bench.py, 384 MiB RAM tier), RSS after load was 891 MiB (895 with 2 MB pages:
-1136) of which 160 MiB (405 MiB) was freed heap; after the first token 1290 MiB (1593), above the
+(scripts/disk_tier_bench.py, 384 MiB RAM tier), RSS after load was 891 MiB (1136 with 2 MB
+pages), of which 160 MiB (405) was freed heap; after the first token 1290 MiB (1593), above the
 1200 MiB cap of the 4x hold, which then thrashed on the libraries' code pages (no swap). Trimmed:
-731 MiB after load either way (docs/decisions.md).
+731 MiB after load either way, 1126 after the first token (docs/decisions.md).
 """
 
 from __future__ import annotations
