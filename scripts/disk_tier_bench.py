@@ -237,6 +237,23 @@ def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) ->
                       "tokens": tokens, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
 
 
+def _slot_memory(nbytes: int):
+    """Memory as the RAM tier's slots get it (DiskStore.slot_rows: private, on 2 MB pages unless
+    MOESPEC_HUGE_PAGES=0): O_DIRECT into 4 KB pages ran 1.06-1.11 GB/s in decode against 1.84-2.06
+    into 2 MB pages (docs/decisions.md), so the floor's reader must read into the same kind."""
+    import mmap
+
+    from moespec.runtime.host import hugepages
+
+    raw = mmap.mmap(-1, nbytes, flags=hugepages.PRIVATE)
+    if hugepages.enabled():
+        try:
+            raw.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # THP off: 4 KB pages, as the slots
+    return raw
+
+
 def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "auto") -> None:
     from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
     from moespec.runtime.transfer.disk import DiskReadEngine
@@ -253,7 +270,7 @@ def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "aut
     engine = DiskReadEngine(path, readers=inflight)
     rows = len(store.moe_layers) * store.num_experts
     stride = store.stride
-    buf = torch.frombuffer(__import__("mmap").mmap(-1, inflight * stride), dtype=torch.uint8).view(inflight, stride)
+    buf = torch.frombuffer(_slot_memory(inflight * stride), dtype=torch.uint8).view(inflight, stride)
     rng = random.Random(0)
 
     itemsize = torch.empty((), dtype=getattr(torch, store.header["dtype"].removeprefix("torch."))).element_size()

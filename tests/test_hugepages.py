@@ -84,3 +84,12 @@ def test_a_cpu_store_large_enough_lives_on_huge_page_memory_and_keeps_its_rows()
     assert store.buffer.shape == (2, 3, layout.numel)
     store.expert(1, 2).fill_(2.5)
     assert float(store.buffer.sum()) == 2.5 * layout.numel
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_fused_weight_equals_the_plain_concatenation(monkeypatch, huge):
+    monkeypatch.setenv("MOESPEC_HUGE_PAGES", huge)
+    parts = [torch.randn(1024, 512), torch.randn(256, 512), torch.randn(256, 512)]  # 3 MB together
+    fused = dense._fused_weight(parts, None)
+    assert torch.equal(fused, torch.cat(parts)) and fused.is_contiguous()
+    assert (fused.data_ptr() % hugepages.HUGE_BYTES == 0) == (huge == "1")

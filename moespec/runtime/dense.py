@@ -169,7 +169,7 @@ def install_dense(model: nn.Module, dense_dtype: str, compute: torch.dtype, devi
         linears = {m for _, m in chosen}
         qkv, mlps = dense_call.qkv_groups(model, linears), dense_call.mlp_groups(model, linears)
         for owner, parts in qkv + mlps:
-            fused = on_huge_pages(stored_weight(torch.cat([p.weight.detach() for p in parts]), fmt))
+            fused = _fused_weight([p.weight.detach() for p in parts], fmt)
             for p, w in zip(parts, dense_call.row_slices(fused, [p.out_features for p in parts])):
                 stored[p] = w
             stored[owner] = fused
@@ -208,6 +208,18 @@ def on_huge_pages(w):
             or w.numel() * w.element_size() < hugepages.MIN_BYTES):
         return w
     return hugepages.copy(w)
+
+
+def _fused_weight(weights: list[torch.Tensor], fmt) -> torch.Tensor | LowBitWeight:
+    """The [sum R_i, C] concatenation of ``weights`` as ``fmt`` stores it, on 2 MB pages when large.
+    Float (fmt None): concatenated straight into the huge-page buffer, so no temporary [R, C] copy is
+    freed into the heap while the parts are still alive (RSS under a memory cap, host/heap_trim.py)."""
+    rows, first = sum(w.shape[0] for w in weights), weights[0]
+    nbytes = rows * first.shape[1] * first.element_size()
+    if (fmt is None and first.device.type == "cpu" and hugepages.enabled()
+            and nbytes >= hugepages.MIN_BYTES):
+        return torch.cat(weights, out=hugepages.empty((rows, first.shape[1]), first.dtype))
+    return on_huge_pages(stored_weight(torch.cat(weights), fmt))
 
 
 def _weight_on_huge_pages(module: nn.Linear) -> None:

@@ -28,6 +28,7 @@ from moespec.runtime.cache.eviction import load_seed, make_rule, resolve_policy
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.host.disk_store import DiskStore, round_up
+from moespec.runtime.host.heap_trim import release_free_heap
 from moespec.runtime.compile import apply_compile
 from moespec.runtime.dense import install_dense, resolve_dense_dtype
 from moespec.runtime.norm_call import install_norms
@@ -258,6 +259,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         pending = saved.start_load(store) if saved is not None else None
         # On disk the rows are in the store file (checked per row as they are read).
         _load_weights(model, adapter, store, source, device, dtype, read_experts=not on_disk and pending is None)
+        release_free_heap()  # the copies and casts loading freed (host/heap_trim.py): RSS under a cap
         from_cache = on_disk or (pending is not None and pending.wait())
         if pending is not None and not from_cache:  # damaged rows: read the experts from the checkpoint
             _load_weights(model, adapter, store, source, device, dtype, read_experts=True)
@@ -268,6 +270,7 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         notes = [n for n in (note, unsaved, _kernel_note(device, cfg), *getattr(source, "notes", ())) if n]
         om = OffloadedModel(model, config, adapter, store, cache, runner, device, dtype, path, cfg, notes)
         om.dense = install_dense(model, cfg.dense_dtype, dtype, device)  # before compile: it wraps lm_head
+        release_free_heap()  # the float weights it fused or moved onto 2 MB pages
         om.norms = norms
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
         om.compiled = apply_compile(om, cfg.compile)

@@ -149,7 +149,9 @@ class DiskStore:
         takes the read's round-up to ALIGN)."""
         assert device.type == "cpu", "the disk tier reads into host RAM"
         raw = mmap.mmap(-1, max(num_slots * self.stride, 1), flags=hugepages.PRIVATE)  # page-aligned, zero on first touch
-        if hugepages.enabled():  # the CPU kernels stream experts from the slots (host/hugepages.py)
+        # 2 MB pages: the CPU kernels stream experts from the slots (host/hugepages.py), and O_DIRECT
+        # into them ran 1.7-1.9x the GB/s of 4 KB pages (docs/decisions.md, 2026-12-03)
+        if hugepages.enabled():
             try:
                 raw.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
