@@ -98,6 +98,25 @@ def test_float_rows_several_tokens_avx512_equal_the_reference_and_avx2(dtype, ro
     assert _rel(y5, F.linear(x, w.float())) < 2e-6
 
 
+def _a8_by_token(x: torch.Tensor, w) -> torch.Tensor:
+    """The int8-activation output [T, R], one kernel call per token (csrc/avx512.c's t = 1 kernels;
+    the activations are quantised per token, so each call sees the codes the T-token call sees)."""
+    return torch.cat([_raw(x[t:t + 1], w, act_int8=True) for t in range(x.shape[0])])
+
+
+@needs_512
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows,cols,group", SHAPES)
+@pytest.mark.parametrize("tokens", [2, 3, 8, 9, 16])
+def test_int8_activations_several_tokens_equal_token_by_token_bit_for_bit(bits, rows, cols, group, tokens):
+    """avx512_a8_tokens.c (2 <= t <= 16: each row's codes once, vpdpbusd against every token) gives
+    the one-token kernels' float32 y exactly (the same integer dots, lanes and float32 steps)."""
+    w = random_lowbit(bits, rows, cols, group, seed=rows * cols)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens + cols))
+    with isa("avx512"):
+        assert torch.equal(_raw(x, w, act_int8=True), _a8_by_token(x, w))
+
+
 @needs_512
 def test_bf16_rows_with_float32_activations_run_the_avx2_kernel():
     """vdpbf16ps multiplies bfloat16 activations: others (a float32 model's x) stay on AVX2, bit for bit."""

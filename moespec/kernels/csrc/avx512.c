@@ -384,12 +384,15 @@ static void q8_a8_512(const int8_t* xq, const float* d, const float* qsum, const
     CASE_G(Q8_A8_512)
 }
 
-/* linear_a8 (a8.c) in AVX-512: tokens one by one over each block of 8 rows (a block's codes are
- * read from memory once). */
+/* linear_a8 (a8.c) in AVX-512: 2 <= T <= 16 tokens by avx512_a8_tokens.c (the same y, bit for bit,
+ * as T calls with one token each); otherwise tokens one by one over each block of 8 rows (a block's
+ * codes are read from memory once). */
 int a8_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T, const uint8_t* codes,
               const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g;
     if (kind != KIND_Q8 && kind != KIND_Q4) return -1;
+    if (a8_tokens_avx512(kind, xq, d, qsum, T, codes, scales, zeros, C, g, y, ldy, r0, r1) == 0)
+        return 0;
     for (i64 r = r0; r < r1; r += 8) {
         const i64 re = r + 8 < r1 ? r + 8 : r1;
         prefetch_scales(scales, zeros, G, r + 8 * PF_BLOCKS, 8, r1);

@@ -23,5 +23,11 @@ int tokens_avx512(int kind, const float* x, i64 T, i64 ldx, const void* w, const
 /* int8 activations (linear_a8's contract; VNNI dot products). */
 int a8_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T, const uint8_t* codes,
               const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0, i64 r1);
+/* int8 activations, 2 <= T <= 16 tokens (avx512_a8_tokens.c; each row's codes unpacked once, vpdpbusd
+ * against every token): y equals a8_avx512's token-by-token y bit for bit. Returns 1 where it has
+ * no kernel. */
+int a8_tokens_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64 T, const uint8_t* codes,
+                     const uint16_t* scales, const uint8_t* zeros, i64 C, i64 g, float* y, i64 ldy, i64 r0,
+                     i64 r1);
 
 #endif
