@@ -29,7 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).with_name("csrc")  # common.h + t1.c, tokens.c, tiles.c, a8.c, expert.c, spin.c, norm.c (+ avx512.c): one library
+CSRC = Path(__file__).with_name("csrc")  # every *.c there (avx512*.c: an AVX-512 target): one library
 # -fno-tree-loop-distribute-patterns: gcc turned the kernels' small copy loops into ``rep movsq``,
 # which took half the time of the several-token kernel on this project's AMD VM (perf annotate).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-tree-loop-distribute-patterns", "-shared", "-fPIC", "-std=gnu11")

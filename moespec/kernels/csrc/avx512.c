@@ -38,13 +38,7 @@ int cpu_isa(int want) {
 
 int isa512_on(void) { return isa < 0 ? cpu_isa(-1) : isa; }
 
-#if defined(__clang__)  /* clang ignores GCC's target pragma */
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")
-#endif
+#include "avx512_begin.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* bf16 rows, one token, bfloat16 activations: 4 rows share each load of x (32 columns). */
@@ -406,8 +400,4 @@ int a8_avx512(int kind, const int8_t* xq, const float* d, const float* qsum, i64
     return 0;
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "avx512_end.h"

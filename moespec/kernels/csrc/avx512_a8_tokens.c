@@ -17,13 +17,7 @@
  */
 #include "avx512.h"
 
-#if defined(__clang__)  /* clang ignores GCC's target pragma */
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")
-#endif
+#include "avx512_begin.h"
 
 /* A q4 row's C codes, one byte each in column order (u: C bytes). The format's blocks of 32 columns
  * in 16 bytes (byte i = code i | code i + 16 << 4), two at a time; the last block of 16 columns
@@ -155,8 +149,4 @@ int a8_tokens_avx512(int kind, const int8_t* xq, const float* d, const float* qs
 #undef A8_TILE
 #undef A8_TILE_G
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "avx512_end.h"

@@ -17,13 +17,7 @@
  */
 #include "avx512.h"
 
-#if defined(__clang__)  /* clang ignores GCC's target pragma */
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16"))), \
-                             apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")
-#endif
+#include "avx512_begin.h"
 
 /* The bytes of a row's columns [0, k): per format. */
 static inline __attribute__((always_inline)) i64 col_bytes(const int kind, i64 k) {
@@ -161,8 +155,4 @@ int tokens_avx512(int kind, const float* x, i64 T, i64 ldx, const void* w, const
     }
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "avx512_end.h"
