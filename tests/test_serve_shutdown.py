@@ -24,6 +24,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _default_sigint() -> None:
+    """The server starts as from a terminal: SIGINT at its default. Why: a runner started in the
+    background of a script (`cmd &`, no job control) ignores SIGINT, the child inherits that, and
+    after its graceful shutdown uvicorn's re-raised SIGINT is ignored too (exit 0, not 130)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)],
                          ids=["SIGINT", "SIGTERM"])
 def test_signal_while_streaming(tiny_models, sig, code):
@@ -31,7 +38,8 @@ def test_signal_while_streaming(tiny_models, sig, code):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "moespec", "serve", str(tiny_models["qwen3_moe"]), "--port",
                              str(port), "--device", "cpu", "--cache-experts", "4", "--predictor", "router"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                            preexec_fn=_default_sigint)
     base = f"http://127.0.0.1:{port}"
     lines: list[str] = []
     try:
