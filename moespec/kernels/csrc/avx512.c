@@ -40,18 +40,23 @@ int isa512_on(void) { return isa < 0 ? cpu_isa(-1) : isa; }
 
 #include "avx512_begin.h"
 
-/* Rows per pass of the t = 1 kernels: 1 reads the weight as one sequential stream (f32_t1 in
- * t1.c); 2 (q8/q4) or 4 (bf16) share each load of x across rows whose streams interleave.
- * A row's value depends on that row alone, so every choice gives the same bits. */
+/* Rows per pass of the t = 1 kernels. 1 reads the weight as one sequential stream (as f32_t1 in
+ * t1.c); 2 (q8/q4) or 4 (bf16) share each load of x across rows whose streams interleave. A row's
+ * value depends on that row alone, so every choice gives the same bits. Measured (scripts/
+ * host_expert_bench.py --shapes qwen3 --tokens 1 --threads 1 --reps 5, ms per expert, old and new
+ * alternating in one exclusive hold, 8 pairs): bf16 4 rows 0.74-0.99, 1 row 0.44-0.66 (38 -> 68 %
+ * of torch.sum's read, median); q8 / q4 1 row against 2 (10 pairs) no faster: q4 median 0.272 vs
+ * 0.242, q8 0.335 vs 0.403, both spread 0.23-0.55 run to run, so q8 / q4 keep 2. */
 #ifndef T1_ROWS
-#define T1_ROWS 1
+#define T1_ROWS 2
 #endif
 #ifndef BF16_T1_ROWS
 #define BF16_T1_ROWS 1
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
-/* bf16 rows, one token, bfloat16 activations: 4 rows share each load of x (32 columns). */
+/* bf16 rows, one token, bfloat16 activations: 4 rows share each load of x (32 columns), or one row
+ * at a time (BF16_T1_ROWS). */
 static int bf16_exact(const float* x, i64 C) {
     __mmask16 bad = 0;
     i64 k = 0;
