@@ -40,23 +40,14 @@ int isa512_on(void) { return isa < 0 ? cpu_isa(-1) : isa; }
 
 #include "avx512_begin.h"
 
-/* Rows per pass of the t = 1 kernels. 1 reads the weight as one sequential stream (as f32_t1 in
- * t1.c); 2 (q8/q4) or 4 (bf16) share each load of x across rows whose streams interleave. A row's
- * value depends on that row alone, so every choice gives the same bits. Measured (scripts/
- * host_expert_bench.py --shapes qwen3 --tokens 1 --threads 1 --reps 5, ms per expert, old and new
- * alternating in one exclusive hold, 8 pairs): bf16 4 rows 0.74-0.99, 1 row 0.44-0.66 (38 -> 68 %
- * of torch.sum's read, median); q8 / q4 1 row against 2 (10 pairs) no faster: q4 median 0.272 vs
- * 0.242, q8 0.335 vs 0.403, both spread 0.23-0.55 run to run, so q8 / q4 keep 2. */
-#ifndef T1_ROWS
-#define T1_ROWS 2
-#endif
-#ifndef BF16_T1_ROWS
-#define BF16_T1_ROWS 1
-#endif
-
 /* ------------------------------------------------------------------------------------------ */
-/* bf16 rows, one token, bfloat16 activations: 4 rows share each load of x (32 columns), or one row
- * at a time (BF16_T1_ROWS). */
+/* bf16 rows, one token, bfloat16 activations: one row at a time, so the weight is read as one
+ * sequential stream (as t1.c's dense_row_t1), one accumulator over 32 columns: the per-row sum of
+ * the 4-row block before it, so bit-equal to it. Measured (scripts/host_expert_bench.py --shapes
+ * qwen3 --tokens 1 --threads 1 --reps 5, ms per expert, old and new alternating in one exclusive
+ * hold, 8 pairs): 4 rows 0.74-0.99, 1 row 0.44-0.66 (38 -> 68 % of torch.sum's read, median).
+ * q8 / q4 below keep two rows a pass: one row measured no faster (10 pairs: q4 median 0.272 vs
+ * 0.242, q8 0.335 vs 0.403, both spread 0.23-0.55 run to run). */
 static int bf16_exact(const float* x, i64 C) {
     __mmask16 bad = 0;
     i64 k = 0;
@@ -75,45 +66,6 @@ static void bf16_t1_512(const float* x, const uint16_t* w, i64 C, float* y, i64 
         __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
         _mm256_storeu_si256((__m256i*)(xb + k), (__m256i)h);
     }
-    const i64 ahead = pf_ahead(C * 2, 4);
-    const uint8_t* wb = (const uint8_t*)w;
-    for (i64 r = r0; r < r1; r += 4) {
-        const i64 n = r1 - r < 4 ? r1 - r : 4;  /* a short last block repeats its last row */
-        const uint16_t* p[4];
-        for (i64 i = 0; i < 4; i++) p[i] = w + (r + (i < n ? i : n - 1)) * C;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        i64 k = 0;
-        for (; k + 32 <= C; k += 32) {
-            for (i64 i = 0; i < 4; i++) _mm_prefetch((const char*)(wb + ahead) + (p[i] - w + k) * 2, _MM_HINT_T0);
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + k);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(p[0] + k), xv);
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(p[1] + k), xv);
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(p[2] + k), xv);
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(p[3] + k), xv);
-        }
-        if (k < C) {  /* the last C % 32 columns (a zero-padded pair where C is odd) */
-            const __mmask32 m = (__mmask32)((1ull << (C - k)) - 1);
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, p[0] + k), xv);
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m, p[1] + k), xv);
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_maskz_loadu_epi16(m, p[2] + k), xv);
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_maskz_loadu_epi16(m, p[3] + k), xv);
-        }
-        const float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                            _mm512_reduce_add_ps(a3)};
-        for (i64 i = 0; i < n; i++) y[r + i] = s[i];
-    }
-}
-
-/* One row at a time (BF16_T1_ROWS 1): the weight read as one sequential stream; the same per-row
- * sum as the 4-row block above (one accumulator over 32 columns), so bit-equal to it. */
-static void bf16_t1_512_row(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
-    uint16_t xb[C + 32];
-    for (i64 k = 0; k < C; k += 16) {
-        const __mmask16 m = C - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (C - k)) - 1);
-        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
-        _mm256_storeu_si256((__m256i*)(xb + k), (__m256i)h);
-    }
     const i64 ahead = pf_ahead(C * 2, 1);
     for (i64 r = r0; r < r1; r++) {
         const uint16_t* p = w + r * C;
@@ -123,7 +75,7 @@ static void bf16_t1_512_row(const float* x, const uint16_t* w, i64 C, float* y, 
             _mm_prefetch((const char*)(p + k) + ahead, _MM_HINT_T0);
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(p + k), (__m512bh)_mm512_loadu_si512(xb + k));
         }
-        if (k < C) {
+        if (k < C) {  /* the last C % 32 columns (a zero-padded pair where C is odd) */
             const __mmask32 m = (__mmask32)((1ull << (C - k)) - 1);
             a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(m, p + k),
                                  (__m512bh)_mm512_maskz_loadu_epi16(m, xb + k));
@@ -148,13 +100,13 @@ static inline __attribute__((always_inline)) void q8_t1_512_g(const float* x, co
         const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g, rb = C;
     float sv0[G], sv1[G];
-    const i64 ahead = pf_ahead(rb, T1_ROWS);
-    for (i64 r = r0; r < r1; r += T1_ROWS) {
-        const i64 r2 = T1_ROWS == 2 && r + 1 < r1 ? r + 1 : r;
+    const i64 ahead = pf_ahead(rb, 2);
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
         const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
-        prefetch_scales(scales, zeros, G, r + T1_ROWS * PF_BLOCKS, T1_ROWS, r1);
+        prefetch_scales(scales, zeros, G, r + 2 * PF_BLOCKS, 2, r1);
         const float z0 = row_prep(scales + r * G, zeros + r * G, NULL, xs, 0.0f, G, sv0);
-        const float z1 = T1_ROWS == 2 ? row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1) : 0.0f;
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1);
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
         for (i64 j = 0; j < G; j++) {
             const i64 k0 = j * g, k1 = k0 + group_len(j, g, C);
@@ -162,24 +114,22 @@ static inline __attribute__((always_inline)) void q8_t1_512_g(const float* x, co
             i64 k = k0;
             if ((k0 & 63) == 0) {  /* once per 64 bytes of each row */
                 pf_span(b0 + k0 + ahead, g);
-                if (T1_ROWS == 2) pf_span(b1 + k0 + ahead, g);
+                pf_span(b1 + k0 + ahead, g);
             }
             for (; k + 32 <= k1; k += 32) {
                 const __m512 xa = _mm512_loadu_ps(x + k), xb = _mm512_loadu_ps(x + k + 16);
                 p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k)), xa, p0);
                 q0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k + 16)), xb, q0);
-                if (T1_ROWS == 2) {
-                    p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
-                    q1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k + 16)), xb, q1);
-                }
+                p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
+                q1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k + 16)), xb, q1);
             }
             if (k < k1) {
                 const __m512 xa = _mm512_loadu_ps(x + k);
                 p0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b0 + k)), xa, p0);
-                if (T1_ROWS == 2) p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
+                p1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u8x16(b1 + k)), xa, p1);
             }
             acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), _mm512_set1_ps(sv0[j]), acc0);
-            if (T1_ROWS == 2) acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), _mm512_set1_ps(sv1[j]), acc1);
+            acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), _mm512_set1_ps(sv1[j]), acc1);
         }
         y[r] = _mm512_reduce_add_ps(acc0) - z0;
         if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
@@ -214,37 +164,34 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
             for (int i = 0; i < 16; i++)
                 xp[c * 128 + s * 16 + i] = x[c * 128 + (i / 4) * 32 + 4 * (i % 4) + s / 2 + 16 * (s % 2)];
     float sv0[G + 4], sv1[G + 4];
-    const i64 ahead = pf_ahead(rb, T1_ROWS);
-    for (i64 r = r0; r < r1; r += T1_ROWS) {
-        const i64 r2 = T1_ROWS == 2 && r + 1 < r1 ? r + 1 : r;
+    const i64 ahead = pf_ahead(rb, 2);
+    for (i64 r = r0; r < r1; r += 2) {
+        const i64 r2 = r + 1 < r1 ? r + 1 : r;
         const uint8_t *b0 = codes + r * rb, *b1 = codes + r2 * rb;
-        prefetch_scales(scales, zeros, G, r + T1_ROWS * PF_BLOCKS, T1_ROWS, r1);
+        prefetch_scales(scales, zeros, G, r + 2 * PF_BLOCKS, 2, r1);
         const float z0 = row_prep(scales + r * G, zeros + r * G, NULL, xs, 0.0f, G, sv0);
-        const float z1 = T1_ROWS == 2 ? row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1) : 0.0f;
+        const float z1 = row_prep(scales + r2 * G, zeros + r2 * G, NULL, xs, 0.0f, G, sv1);
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
         for (i64 c = 0; c < NC; c++) {
             pf_span(b0 + c * 64 + ahead, 64);
-            if (T1_ROWS == 2) pf_span(b1 + c * 64 + ahead, 64);
-            const __m512i v0 = _mm512_loadu_si512(b0 + c * 64);
-            const __m512i v1 = T1_ROWS == 2 ? _mm512_loadu_si512(b1 + c * 64) : v0;
+            pf_span(b1 + c * 64 + ahead, 64);
+            const __m512i v0 = _mm512_loadu_si512(b0 + c * 64), v1 = _mm512_loadu_si512(b1 + c * 64);
             const float* xc = xp + c * 128;
             __m512 p0 = _mm512_setzero_ps(), q0 = p0, p1 = p0, q1 = p0;
 #define SF_STEP(s_, pa, pb)                                                                        \
     do {                                                                                           \
         const __m512 xv = _mm512_loadu_ps(xc + (s_) * 16);                                          \
         pa = _mm512_fmadd_ps(q4_nib(v0, 8 * ((s_) / 2) + 4 * ((s_) % 2), lut), xv, pa);             \
-        if (T1_ROWS == 2) pb = _mm512_fmadd_ps(q4_nib(v1, 8 * ((s_) / 2) + 4 * ((s_) % 2), lut), xv, pb); \
+        pb = _mm512_fmadd_ps(q4_nib(v1, 8 * ((s_) / 2) + 4 * ((s_) % 2), lut), xv, pb);             \
     } while (0)
             SF_STEP(0, p0, p1); SF_STEP(1, q0, q1); SF_STEP(2, p0, p1); SF_STEP(3, q0, q1);
             SF_STEP(4, p0, p1); SF_STEP(5, q0, q1); SF_STEP(6, p0, p1); SF_STEP(7, q0, q1);
 #undef SF_STEP
             const i64 base = c * 128 / g;
             const __m512 s0 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv0 + base)));
+            const __m512 s1 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv1 + base)));
             acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), s0, acc0);
-            if (T1_ROWS == 2) {
-                const __m512 s1 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv1 + base)));
-                acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), s1, acc1);
-            }
+            acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), s1, acc1);
         }
         for (i64 k = NC * 128; k < C;) {  /* the last C % 128 columns: blocks of 32, then 16 */
             const i64 j = k / g;
@@ -266,7 +213,7 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
                 k += 16;
             }
             acc0 = _mm512_fmadd_ps(p0, _mm512_set1_ps(sv0[j]), acc0);
-            if (T1_ROWS == 2) acc1 = _mm512_fmadd_ps(p1, _mm512_set1_ps(sv1[j]), acc1);
+            acc1 = _mm512_fmadd_ps(p1, _mm512_set1_ps(sv1[j]), acc1);
         }
         y[r] = _mm512_reduce_add_ps(acc0) - z0;
         if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
@@ -289,7 +236,7 @@ int t1_avx512(int kind, const float* x, const float* xs, const void* w, const ui
     switch (kind) {
         case KIND_BF16:
             if (!bf16_exact(x, C)) return 1;
-            (BF16_T1_ROWS == 1 ? bf16_t1_512_row : bf16_t1_512)(x, (const uint16_t*)w, C, y, r0, r1);
+            bf16_t1_512(x, (const uint16_t*)w, C, y, r0, r1);
             return 0;
         case KIND_Q8: q8_t1_512(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;
         case KIND_Q4: q4_t1_512(x, xs, (const uint8_t*)w, scales, zeros, C, g, y, r0, r1); return 0;

@@ -19,8 +19,7 @@ void group_sums(const float* x, i64 T, i64 ldx, i64 C, i64 g, float* xs) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Dense rows, one token: 4 rows share each load of x (the bf16 kernel with BF16_T1_ROW 0; float32
- * rows: f32_t1 below, bf16 rows by default: bf16_t1_row). bf16 a compile-time constant. */
+/* Dense rows (float32, bfloat16), one token. */
 static inline float dense_w(const void* w, int bf16, i64 i) {
     if (!bf16) return ((const float*)w)[i];
     uint32_t bits = (uint32_t)((const uint16_t*)w)[i] << 16;
@@ -33,96 +32,47 @@ static inline __attribute__((always_inline)) __m256 dense_w8(const void* w, cons
     return bf16 ? bf16x8((const uint16_t*)w + i) : _mm256_loadu_ps((const float*)w + i);
 }
 
-static inline __attribute__((always_inline)) void dense_t1(const int bf16, const float* x, const void* w, i64 C,
-                                                           float* y, i64 r0, i64 r1) {
-    const i64 es = bf16 ? 2 : 4, ahead = pf_ahead(C * es, 4);
-    for (i64 r = r0; r < r1; r += 4) {
-        const i64 n = r1 - r < 4 ? r1 - r : 4;  /* a short last block repeats its last row */
-        const i64 o0 = r * C, o1 = (r + (n > 1)) * C, o2 = (r + (n > 2) * 2) * C, o3 = (r + (n > 3) * 3) * C;
+/* Dense rows, one token, one row at a time: four accumulators over 32 columns, so the weight is
+ * read as ONE sequential stream (as torch.sum reads it). A block of 4 rows sharing each load of x
+ * (the kernel before) read four interleaved streams that jump by three rows at every block; with
+ * the default model's short rows (576 floats, 36 lines) the hardware prefetcher retrained on every
+ * row. Measured (this project's AMD EPYC VM, one thread, cold weights): float32
+ * (scripts/dense_gemv_bench.py) 1024x576 10.0 -> 15.4 GB/s, 8192x576 13.1 -> 18.2, 576x1024 17.4 ->
+ * 24.0 (torch.sum 17-25 in the same process), with 2 MB pages (runtime/host/hugepages.py) 25.0 /
+ * 22.7 / 29.7; bfloat16 (scripts/host_expert_bench.py --shapes qwen3 --formats bfloat16 --tokens 1
+ * --threads 1 --reps 5 --isa avx2, 8 pairs alternating in one exclusive hold) 0.755-0.944 ->
+ * 0.464-0.647 ms per expert (median share of torch.sum's read 40 -> 64 %); one accumulator (the
+ * 4-row block's sum order) 0.68-1.04 ms, bound by the FMA chain's latency near 14 GB/s. A row's
+ * value depends on that row alone (the sum order is fixed per row), so split products stay
+ * bit-equal. bf16 is a compile-time constant in each instance; the software prefetch is bf16's only
+ * (float32 rows measured no faster with it). */
+static inline __attribute__((always_inline)) void dense_row_t1(const int bf16, const float* x, const void* w,
+                                                               i64 C, float* y, i64 r0, i64 r1) {
+    const i64 es = bf16 ? 2 : 4, ahead = pf_ahead(C * es, 1);
+    for (i64 r = r0; r < r1; r++) {
+        const i64 o = r * C;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         i64 k = 0;
-        for (; k + 8 <= C; k += 8) {
-            /* bf16 only: float32 rows measured no faster with it (the hardware prefetcher keeps up) */
-            if (bf16 && ((k * es) & 63) == 0) {  /* the same columns of the row block PF_BYTES ahead */
-                const uint8_t* wb = (const uint8_t*)w + ahead;
-                _mm_prefetch((const char*)wb + (o0 + k) * es, _MM_HINT_T0);
-                _mm_prefetch((const char*)wb + (o1 + k) * es, _MM_HINT_T0);
-                _mm_prefetch((const char*)wb + (o2 + k) * es, _MM_HINT_T0);
-                _mm_prefetch((const char*)wb + (o3 + k) * es, _MM_HINT_T0);
-            }
-            const __m256 xv = _mm256_loadu_ps(x + k);
-            a0 = _mm256_fmadd_ps(dense_w8(w, bf16, o0 + k), xv, a0);
-            a1 = _mm256_fmadd_ps(dense_w8(w, bf16, o1 + k), xv, a1);
-            a2 = _mm256_fmadd_ps(dense_w8(w, bf16, o2 + k), xv, a2);
-            a3 = _mm256_fmadd_ps(dense_w8(w, bf16, o3 + k), xv, a3);
+        for (; k + 32 <= C; k += 32) {
+            if (bf16) _mm_prefetch((const char*)w + (o + k) * es + ahead, _MM_HINT_T0);
+            a0 = _mm256_fmadd_ps(dense_w8(w, bf16, o + k), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(dense_w8(w, bf16, o + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(dense_w8(w, bf16, o + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(dense_w8(w, bf16, o + k + 24), _mm256_loadu_ps(x + k + 24), a3);
         }
-        float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-        const i64 off[4] = {o0, o1, o2, o3};
-        for (; k < C; k++)
-            for (int i = 0; i < 4; i++) s[i] += dense_w(w, bf16, off[i] + k) * x[k];
-        for (i64 i = 0; i < n; i++) y[r + i] = s[i];
+        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(dense_w8(w, bf16, o + k), _mm256_loadu_ps(x + k), a0);
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; k < C; k++) s += dense_w(w, bf16, o + k) * x[k];
+        y[r] = s;
     }
 }
 
-/* Float32 rows, one token: one row at a time, four accumulators over 32 columns, so the weight is
- * read as ONE sequential stream (as torch.sum reads it). The 4-row block above (dense_t1, still the
- * bf16 kernel) reads four interleaved streams that jump by three rows at every block; with the
- * default model's short rows (576 floats, 36 lines) the hardware prefetcher retrains on every row.
- * Measured (scripts/dense_gemv_bench.py, this project's AMD EPYC VM, one thread, cold weights):
- * 1024x576 10.0 -> 15.4 GB/s, 8192x576 13.1 -> 18.2, 576x1024 17.4 -> 24.0 (torch.sum 17-25 in
- * the same process); with 2 MB pages (runtime/host/hugepages.py) 25.0 / 22.7 / 29.7. A row's value
- * depends on that row alone (the sum order is fixed per row), so split products stay bit-equal. */
 static void f32_t1(const float* x, const float* w, i64 C, float* y, i64 r0, i64 r1) {
-    for (i64 r = r0; r < r1; r++) {
-        const float* wr = w + r * C;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        i64 k = 0;
-        for (; k + 32 <= C; k += 32) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-        }
-        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a0);
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; k < C; k++) s += wr[k] * x[k];
-        y[r] = s;
-    }
+    dense_row_t1(0, x, w, C, y, r0, r1);
 }
 
-/* bf16 rows, one row at a time: f32_t1's loop (one sequential stream, four accumulators over 32
- * columns, the same sum order) on bfloat16 rows widened 8 at a time. Another sum order than
- * dense_t1 (within the tests' float32 tolerance). Measured (scripts/host_expert_bench.py --shapes
- * qwen3 --formats bfloat16 --tokens 1 --threads 1 --reps 5 --isa avx2, 8 pairs alternating with
- * dense_t1 in one exclusive hold): 0.755-0.944 -> 0.464-0.647 ms per expert (median share of
- * torch.sum's read 40 -> 64 %); one accumulator (dense_t1's order, one row) 0.68-1.04 ms, bound by
- * the FMA chain's latency near 14 GB/s. */
-static void bf16_t1_row(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
-    const i64 ahead = pf_ahead(C * 2, 1);
-    for (i64 r = r0; r < r1; r++) {
-        const uint16_t* wr = w + r * C;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        i64 k = 0;
-        for (; k + 32 <= C; k += 32) {
-            _mm_prefetch((const char*)(wr + k) + ahead, _MM_HINT_T0);
-            a0 = _mm256_fmadd_ps(bf16x8(wr + k), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(bf16x8(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(bf16x8(wr + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(bf16x8(wr + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-        }
-        for (; k + 8 <= C; k += 8) a0 = _mm256_fmadd_ps(bf16x8(wr + k), _mm256_loadu_ps(x + k), a0);
-        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        for (; k < C; k++) s += dense_w(wr, 1, k) * x[k];
-        y[r] = s;
-    }
-}
-
-#ifndef BF16_T1_ROW
-#define BF16_T1_ROW 1
-#endif
 static void bf16_t1(const float* x, const uint16_t* w, i64 C, float* y, i64 r0, i64 r1) {
-    if (BF16_T1_ROW) bf16_t1_row(x, w, C, y, r0, r1);
-    else dense_t1(1, x, w, C, y, r0, r1);
+    dense_row_t1(1, x, w, C, y, r0, r1);
 }
 
 /* ------------------------------------------------------------------------------------------ */
