@@ -16,6 +16,11 @@ int isa512_on(void);
  * or bfloat16 rows with activations that are not bfloat16 values), so the AVX2 kernel runs. */
 int t1_avx512(int kind, const float* x, const float* xs, const void* w, const uint16_t* scales,
               const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1);
+/* One token of a dense linear's bound weight (spin.c; avx512_dense.c): int8 rows with g % 64 == 0
+ * and C % g == 0, one at a time; equal to t1_avx512's within float32 rounding. xs: the group sums
+ * (not NULL). Returns 1 where it has no kernel (t1_avx512 / the AVX2 kernels run). */
+int dense_t1_avx512(int kind, const float* x, const float* xs, const void* w, const uint16_t* scales,
+                    const uint8_t* zeros, i64 C, i64 g, float* y, i64 r0, i64 r1);
 /* 2 <= T <= 16 tokens, float32 activations (exact products; avx512_tokens.c): returns 1 where it
  * has no kernel, so the AVX2 ones run. */
 int tokens_avx512(int kind, const float* x, i64 T, i64 ldx, const void* w, const uint16_t* scales,

@@ -23,7 +23,7 @@
 #include <stdatomic.h>
 #include <time.h>
 
-#include "common.h"
+#include "avx512.h"
 
 #define SPIN_NS 2000000L /* 2 ms of spinning after the last chunk, then sleep */
 /* A chunk reads at least this many weight bytes (at least 8 rows); MOESPEC_SPIN_CHUNK_BYTES, read when
@@ -100,6 +100,17 @@ void* spin_bind(int kind, const void* w, const uint16_t* scales, const uint8_t* 
 
 void spin_unbind(void* b) { free(b); }
 
+/* Rows [r0, r1) of one product of a bound weight (a dense linear): one token of int8 rows on
+ * AVX-512 by avx512_dense.c's kernel (equal to linear_f32act's within float32 rounding), all else
+ * by linear_f32act. */
+static int bound_rows(const bound_t* b, const float* x, i64 T, const float* xs, float* y, i64 ldy, i64 r0,
+                      i64 r1) {
+    if (T == 1 && isa512_on() &&
+        dense_t1_avx512(b->kind, x, xs, b->w, b->scales, b->zeros, b->C, b->g, y, r0, r1) == 0)
+        return 0;
+    return linear_f32act(b->kind, x, T, b->C, b->w, b->scales, b->zeros, xs, b->C, b->g, y, ldy, r0, r1);
+}
+
 /* Run chunks of the job of generation ``gen`` until none is left. */
 static void work(pool_t* p, uint64_t gen) {
     const job_t* j = &p->job;
@@ -121,8 +132,7 @@ static void work(pool_t* p, uint64_t gen) {
         const bound_t* b = j->b;
         const i64 r0 = j->row0 + i * j->chunk_rows;
         const i64 r1 = r0 + j->chunk_rows < j->row0 + b->R ? r0 + j->chunk_rows : b->R;
-        int rc = linear_f32act(b->kind, j->x, j->T, b->C, b->w, b->scales, b->zeros, j->xs, b->C, b->g, j->y,
-                               j->ldy, r0, r1);
+        int rc = bound_rows(b, j->x, j->T, j->xs, j->y, j->ldy, r0, r1);
         if (rc) atomic_store(&p->rc, rc);
         atomic_fetch_add(&p->done, 1);
     }
@@ -237,7 +247,7 @@ int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 l
     const i64 rows = chunk_rows(b, p ? p->chunk_bytes : CHUNK_MIN_BYTES);
     const i64 nchunks = (b->R + rows - 1) / rows;
     if (!p || p->n == 0 || nchunks < 2)
-        return linear_f32act(b->kind, x, T, b->C, b->w, b->scales, b->zeros, xs, b->C, b->g, y, ldy, 0, b->R);
+        return bound_rows(b, x, T, xs, y, ldy, 0, b->R);
     job_t* j = &p->job;
     j->ex = NULL, j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0;
     j->chunk_rows = rows;
