@@ -3,9 +3,11 @@
 Runs `moespec calibrate` on the default model (built first if needed) with the shipped text, stamps
 the file with the recipe digest of the build it was made on (artifacts.shipped_calibration offers it
 only to builds of that recipe) and keeps only the chosen default-vector variant (the others are read
-by no runtime path; their recall stays in the metrics): about 1.1 MB instead of 2.2 MB. Deterministic:
-the same recipe, text and tokens give the same bytes (the file records no clock time). Run it again
-whenever the recipe digest changes (tests/test_shipped_calibration.py says so). Usage:
+by no runtime path; their recall stays in the metrics): about 1.1 MB instead of 2.2 MB. The file
+records no clock time, so on one machine the same recipe, text and tokens give the same bytes
+(another CPU's float rounding may move the default vectors in their last bits; the router
+fingerprint, of the recorded routers, does not move). Run it again whenever the recipe digest
+changes (tests/test_shipped_calibration.py says so). Usage:
 
   PYTHONPATH=$PWD python scripts/record_default_calibration.py [--tokens 100000] [--data FILE]
 """
