@@ -6,7 +6,8 @@ the name MODEL accepts), the absolute folder path otherwise; the same keys ``moe
 shows, so every command (calibrate, train-estimator, chat, profile, serve, models) finds the same
 file. A file under the key earlier versions used (the absolute path of a built model), or one next
 to the model (``moespec-calibration.safetensors``, ``moespec-estimator.safetensors``, for folders
-carried between machines), is found too. What the files contain is below their readers:
+carried between machines), is found too, and last, for the embedded default model, the calibration
+shipped with moespec (``shipped_calibration``). What the files contain is below their readers:
 ``moespec.predict.calibration_file``, ``moespec.predict.estimator_file``,
 ``moespec.runtime.host.quant_store``. Nothing here imports torch: the CLI checks these files
 before it loads a model.
@@ -27,6 +28,11 @@ GGUF_SOURCE_FILE = "moespec-gguf.json"
 # Files carried inside a model folder (found too, for folders moved between machines).
 CALIBRATION_BESIDE_MODEL = "moespec-calibration.safetensors"
 ESTIMATOR_BESIDE_MODEL = "moespec-estimator.safetensors"
+# The default model's calibration, shipped with moespec (scripts/record_default_calibration.py
+# writes it), and the build marker that says which recipe a folder was built by. The marker's name
+# is default_model.build.MARKER_FILE, not imported: that package imports torch (a test checks them).
+SHIPPED_CALIBRATION = Path(__file__).parent / "default_model" / "default_calibration.safetensors"
+BUILD_MARKER_FILE = "moespec_build.json"
 
 
 def model_key(model_path: str | Path) -> str:
@@ -136,9 +142,51 @@ def first_existing(paths: list[Path]) -> Path | None:
     return next((p for p in paths if p.is_file()), None)
 
 
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, from its JSON header alone (no tensor is read).
+
+    Raises:
+        OSError, ValueError: unreadable, or not a safetensors header.
+    """
+    import json
+    import struct
+
+    with open(path, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        if size > 100_000_000:
+            raise ValueError(f"{path}: a {size}-byte header is not a safetensors header")
+        header = json.loads(fh.read(size))
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def shipped_calibration(model_path: str | Path) -> Path | None:
+    """The calibration shipped with moespec when ``model_path`` is a build of the recipe it was made on, else None.
+
+    The default model is built on first use from a recorded recipe (default_model.recipe: its digest
+    is in the folder's build marker), so one calibration made on a build of that recipe fits every
+    build of it: shipping it makes the default cache policy (lfru) and ``--predictor quasi`` work
+    without `moespec calibrate`. Matched here by recipe digest only (the marker and the file's
+    header, a few kB); its readers then check it as any calibration file (config hash, MoE layers,
+    router fingerprint: predict.calibration_file.load_checked).
+    """
+    import json
+
+    try:
+        marker = json.loads((Path(model_path) / BUILD_MARKER_FILE).read_text(encoding="utf-8"))
+        made_on = json.loads(safetensors_metadata(SHIPPED_CALIBRATION)["moespec"]).get("recipe_digest")
+        built_by = marker.get("recipe_digest")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return SHIPPED_CALIBRATION if made_on is not None and made_on == built_by else None
+
+
 def calibration_candidates(model_path: str | Path) -> list[Path]:
-    """Where a calibration file for the model is looked for, in order (the first is the default)."""
-    return artifact_candidates(model_path, calibration_path, CALIBRATION_BESIDE_MODEL)
+    """Where a calibration file for the model is looked for, in order (the first is the default;
+    the one shipped for the default model, when it is one, is last: `moespec calibrate` overrides it)."""
+    paths = artifact_candidates(model_path, calibration_path, CALIBRATION_BESIDE_MODEL)
+    shipped = shipped_calibration(model_path)
+    return paths + ([shipped] if shipped is not None and shipped not in paths else [])
 
 
 def estimator_candidates(model_path: str | Path) -> list[Path]:

@@ -15,7 +15,8 @@ of l+1 / l+2, or of the whole token from next-token rankings, with each ranking'
 ``--save FILE`` writes the recorded trace (per decode step: routing, the router predictor's ids,
 the routers' rankings (expert ids by logit, best first: the layer's own, the predictor's for the
 next layer, router_{l+2} on r_l for the one after, and every router on the last token's final
-hidden state and on the new token's embedding); the calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model. Usage:
+hidden state and on the new token's embedding); the calibration seed; JSON) and ``--trace FILE`` replays a saved one without running the model
+(``--calibration FILE``: with another calibration's seed). Usage:
 
   PYTHONPATH=$PWD python scripts/policy_hit_rates.py [--tokens 256] [--prompt 128] [--save F | --trace F]
       [--generate | --chat "Write a short story about a lighthouse keeper."]
@@ -167,12 +168,20 @@ def main() -> None:
     ap.add_argument("--chat", help="generate after this user message in the chat template")
     ap.add_argument("--save", type=Path, help="write the recorded trace here (JSON)")
     ap.add_argument("--trace", type=Path, help="replay this saved trace instead of running the model")
+    ap.add_argument("--calibration", type=Path, help="seed the policies from this calibration file, not the "
+                                                     "trace's recorded seed")
     args = ap.parse_args()
     data = json.loads(args.trace.read_text()) if args.trace else record(args.tokens, args.prompt, args.generate, args.chat)
     if args.save:
         args.save.write_text(json.dumps(data))
     trace, k, total = _steps(data["trace"]), data["top_k"], data["experts"]
     seed = {(layer, e): p for layer, e, p in data["seed"]}
+    if args.calibration:
+        from moespec.predict.calibration_file import load_calibration
+        from moespec.runtime.cache.eviction import seed_from_frequencies
+
+        calib = load_calibration(args.calibration)
+        seed = seed_from_frequencies(list(calib.layers), calib.frequencies, k)
     modes = (("on-demand", None), ("router", _steps(data["router"])), ("oracle", trace))
     fracs = (0.125, 0.25, 0.5)
     sizes = [int(total * f) for f in fracs]
