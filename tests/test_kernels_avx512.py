@@ -1,7 +1,8 @@
 """The AVX-512 kernels (csrc/avx512.c) against the slow reference and against the AVX2 kernels.
 
 Tolerances (relative to the largest output): float32 activations 2e-6 (the same exact products,
-another order of the float32 sum); bfloat16 rows and activations after the one rounding to
+another order of the float32 sum; int4 rows at one token: activations as 24-bit integers per group,
+within 2**-24 of each group's largest |x|, then integer dots); bfloat16 rows and activations after the one rounding to
 bfloat16: one bf16 ulp (2**-8), before it (float32) 2e-6 against AVX2; int8 activations against
 their own reference (the same integer codes) 2e-6. The ISA switch and its one-line notes run
 everywhere; the kernels only where the CPU has AVX-512.
@@ -115,6 +116,35 @@ def test_int8_activations_several_tokens_equal_token_by_token_bit_for_bit(bits, 
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens + cols))
     with isa("avx512"):
         assert torch.equal(_raw(x, w, act_int8=True), _a8_by_token(x, w))
+
+
+@needs_512
+@pytest.mark.parametrize("rows,cols,group", [(6, 2048, 64), (5, 2880, 256), (7, 400, 32), (4, 80, 64)])
+@pytest.mark.parametrize("case", ["outlier", "zero_group", "tiny", "inf", "nan"])
+def test_int4_one_token_integer_kernel_within_the_float_tolerance(rows, cols, group, case):
+    """int4, one token (avx512.c q4_t1_int_g: activations as 24-bit integers per group): an outlier
+    10**4 times the rest, an all-zero group and tiny activations stay within 2e-6 of the reference
+    (the error is at most 2**-24 of each group's largest |x|, float32's own rounding there);
+    activations that are not finite take the float kernel, which propagates them as AVX2 does."""
+    w = random_lowbit(4, rows, cols, group, seed=cols)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(rows))
+    if case == "outlier":
+        x[0, 5] = 3e4
+    elif case == "zero_group":
+        x[0, :group] = 0
+    elif case == "tiny":
+        x *= 1e-30
+    elif case in ("inf", "nan"):
+        x[0, 7] = float(case)
+    with isa("avx2"):
+        y2 = _raw(x, w)
+    with isa("avx512"):
+        y5 = _raw(x, w)
+    if case in ("inf", "nan"):
+        assert torch.equal(y5.isnan(), y2.isnan()) and torch.equal(y5.isinf(), y2.isinf())
+        return
+    assert _rel(y5, L.linear_reference(x, w)) < 2e-6
+    assert _rel(y5, y2) < 2e-6
 
 
 @needs_512

@@ -195,7 +195,8 @@ PredictorOpt = typer.Option("router", "--predictor", help="none, router, quasi, 
 ExecuteOpt = typer.Option("exact", "--execute",
                           help="exact, speculative or guarded. exact equals transformers' default experts "
                                "implementation at the same dtype (top-k outputs summed in float32, rounded once; "
-                               "experts on the CPU compute in the model dtype, float32 sums in another order, "
+                               "experts on the CPU compute in the model dtype, float32 sums in another order (int4 rows at one token: "
+                               "activations as 24-bit integers per group, within float32's rounding), "
                                "except with --expert-dtype w8a8/w4a8, whose int8 activations are not exact).")
 CalibrationPath = typer.Option(None, "--calibration",
                                help="Calibration file for --predictor quasi (default: found automatically).")
