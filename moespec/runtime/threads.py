@@ -59,12 +59,18 @@ class ThreadPlan:
         shared_beside: run an MoE layer's shared expert on a worker beside the routed experts. Off by
             default: measured slower (the worker's Python and the compute thread's pass the GIL back
             and forth at every op; docs/decisions.md 2026-12-02 "A thread plan for decode").
+        read_ahead: the spinning workers read the next bound product's weight into the caches while
+            this thread runs the Python between products (kernels/spin.py); False: they only split.
+        split_min_bytes: bound products of fewer weight bytes run on this thread alone
+            (kernels/spin.SPLIT_MIN_BYTES by default).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = True
         self.shared_beside = False
+        self.read_ahead = True
+        self.split_min_bytes = spin.SPLIT_MIN_BYTES
         self._pools: dict[int, row_pool.RowPool] = {}
         self._spins: dict[int, spin.SpinPool] = {}
 
@@ -99,11 +105,16 @@ class ThreadPlan:
         pool = self.pool(threads - 1)
         pool.beside = self.shared_beside
         spinning = self.spin_pool(threads - 1)
+        if spinning is not None:
+            spinning.read_ahead = self.read_ahead
+            spinning.set_split_min_bytes(self.split_min_bytes)
         torch.set_num_threads(1)
         try:
             with row_pool.using(pool), spin.using(spinning):
                 yield pool
         finally:
+            if spinning is not None:
+                spinning.quiet()  # no read-ahead runs between steps (its loads need live weights)
             torch.set_num_threads(threads)
 
     def close(self) -> None:
