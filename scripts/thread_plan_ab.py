@@ -4,12 +4,14 @@
 
 An arm is ``CACHE:EXPERT_DTYPE:THREADS[:VARIANT]``: CACHE ``all`` (every expert resident) or ``hostN``
 (``--cache-experts N --on-miss host``, the host pool on its default threads); EXPERT_DTYPE as
-``--expert-dtype``, or ``E/D`` for ``--expert-dtype E --dense-dtype D``; THREADS torch's thread count for the step (``--threads``), with the thread plan
+``--expert-dtype``, or ``E/D`` for ``--expert-dtype E --dense-dtype D``;
+THREADS torch's thread count for the step (``--threads``), with the thread plan
 (runtime/threads.py), or ``Ns``: N threads with the plan off (the serial path: torch's N intra-op
 threads, as before the plan). VARIANT (``+``-separated) changes the plan for that arm: ``mN`` splits
 products from N MiB on (kernels/linear.SPLIT_MIN_BYTES), ``ns`` keeps the shared expert on the
 compute thread (ThreadPlan.shared_beside = False), ``ra0`` turns the spin pool's read-ahead off
-(ThreadPlan.read_ahead), ``sN`` splits bound products from N KiB on (ThreadPlan.split_min_bytes). Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
+(ThreadPlan.read_ahead), ``sN`` splits bound products from N KiB on (ThreadPlan.split_min_bytes).
+Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
 exact); each decode step runs once on each arm, the order rotating every step, so a burst of load
 hits every arm alike. Also measured in the same process: memory read GB/s (``torch.sum`` over 256 MiB
 float32, best of 7) at 1 and 2 intra-op threads.

@@ -221,7 +221,7 @@ static void* worker(void* arg) {
                 }
             }
         }
-        if (gen == seen && atomic_load(&p->pf_seq) == ahead.seq) { /* spun out: sleep until a job, a read-ahead or stop */
+        if (gen == seen && atomic_load(&p->pf_seq) == ahead.seq) { /* spun out: sleep until a job, read-ahead, stop */
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
             while ((gen = atomic_load(&p->ticket) >> 32) == seen && atomic_load(&p->pf_seq) == ahead.seq &&
