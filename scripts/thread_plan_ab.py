@@ -4,11 +4,14 @@
 
 An arm is ``CACHE:EXPERT_DTYPE:THREADS[:VARIANT]``: CACHE ``all`` (every expert resident) or ``hostN``
 (``--cache-experts N --on-miss host``, the host pool on its default threads); EXPERT_DTYPE as
-``--expert-dtype``; THREADS torch's thread count for the step (``--threads``), with the thread plan
+``--expert-dtype``, or ``E/D`` for ``--expert-dtype E --dense-dtype D``;
+THREADS torch's thread count for the step (``--threads``), with the thread plan
 (runtime/threads.py), or ``Ns``: N threads with the plan off (the serial path: torch's N intra-op
 threads, as before the plan). VARIANT (``+``-separated) changes the plan for that arm: ``mN`` splits
 products from N MiB on (kernels/linear.SPLIT_MIN_BYTES), ``ns`` keeps the shared expert on the
-compute thread (ThreadPlan.shared_beside = False). Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
+compute thread (ThreadPlan.shared_beside = False), ``ra0`` turns the spin pool's read-ahead off
+(ThreadPlan.read_ahead), ``sN`` splits bound products from N KiB on (ThreadPlan.split_min_bytes).
+Each (CACHE, EXPERT_DTYPE) pair is loaded once (CPU, --predictor none,
 exact); each decode step runs once on each arm, the order rotating every step, so a burst of load
 hits every arm alike. Also measured in the same process: memory read GB/s (``torch.sum`` over 256 MiB
 float32, best of 7) at 1 and 2 intra-op threads.
@@ -56,8 +59,9 @@ def _load(model: str, cache: str, expert_dtype: str):
     from moespec.runtime.load import load_offloaded
 
     host = cache.startswith("host")
+    expert_dtype, _, dense_dtype = expert_dtype.partition("/")
     cfg = RuntimeConfig(cache_experts=int(cache[4:]) if host else None, predictor=Predictor.NONE, device="cpu",
-                        expert_dtype=expert_dtype, cache_policy=CachePolicy.LRU,
+                        expert_dtype=expert_dtype, dense_dtype=dense_dtype or "auto", cache_policy=CachePolicy.LRU,
                         on_miss=OnMiss.HOST if host else OnMiss.FETCH)
     return Engine(load_offloaded(model, cfg))
 
@@ -74,6 +78,7 @@ def main() -> int:
     import torch
 
     from moespec.kernels import linear as L
+    from moespec.kernels import spin
 
     torch.set_num_threads(1)
     if args.model is None:
@@ -87,7 +92,9 @@ def main() -> int:
         keys[a] = (cache, dtype, int(threads.rstrip("s")), not threads.endswith("s"))
         v = variant[0] if variant else ""
         mib = next((int(p[1:]) for p in v.split("+") if p.startswith("m")), None)
-        variants[a] = (L.SPLIT_MIN_BYTES if mib is None else mib << 20, "ns" not in v.split("+"))
+        kib = next((int(p[1:]) for p in v.split("+") if p.startswith("s") and p[1:].isdigit()), None)
+        variants[a] = (L.SPLIT_MIN_BYTES if mib is None else mib << 20, "ns" not in v.split("+"),
+                       "ra0" not in v.split("+"), None if kib is None else kib << 10)
     engines = {}
     for cache, dtype, _, _ in keys.values():
         if (cache, dtype) not in engines:
@@ -108,7 +115,9 @@ def main() -> int:
                 cache, dtype, threads, plan = keys[a]
                 eng = engines[(cache, dtype)]
                 eng.om.threads.enabled = plan
-                L.SPLIT_MIN_BYTES, eng.om.threads.shared_beside = variants[a]
+                plan_ = eng.om.threads
+                L.SPLIT_MIN_BYTES, plan_.shared_beside, plan_.read_ahead, split = variants[a]
+                plan_.split_min_bytes = spin.SPLIT_MIN_BYTES if split is None else split
                 torch.set_num_threads(threads)
                 eng.truncate(len(prompt) + i)  # arms sharing an engine: the same context each step
                 t0 = time.perf_counter()

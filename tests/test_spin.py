@@ -6,7 +6,10 @@
     multiple of the chunk, one and two workers), also after the workers have gone to sleep;
   - many products in a row through one pool stay bit-equal (no chunk of one job runs with another's
     pointers);
-  - close is idempotent and a closed pool runs serially.
+  - close is idempotent and a closed pool runs serially;
+  - the read-ahead (each product's workers read the next product's weight) learns the order the
+    products ran in, keeps the next weight alive, never changes a value (on and off, any split
+    threshold), and ``quiet`` returns.
 """
 
 from __future__ import annotations
@@ -92,3 +95,35 @@ def test_refuses_what_it_cannot_bind():
         spin.BoundWeight(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError):
         spin.SpinPool(0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("split_min", [0, 1 << 40])
+def test_read_ahead_learns_the_order_and_changes_nothing(pool, split_min):
+    ws = [spin.BoundWeight(w) for w in _weights()]
+    xs = [torch.randn(1, b.cols) for b in ws]
+    want = [b.linear(x) for b, x in zip(ws, xs)]
+    pool.set_split_min_bytes(split_min)
+    for ahead in (True, False, True):
+        pool.read_ahead = ahead
+        for _ in range(50):
+            for b, x, y in zip(ws, xs, want):
+                assert torch.equal(b.linear(x, pool), y)
+        pool.quiet()
+    for b, nxt in zip(ws, ws[1:] + ws[:1]):  # each product reads the one after it (the last: the first)
+        assert b._next[0][0] is nxt._ranges
+
+
+@needs_kernels
+def test_read_ahead_keeps_the_next_weight_alive(pool):
+    first = spin.BoundWeight(torch.randn(512, 256))
+    x = torch.randn(1, 256)
+    second = spin.BoundWeight(torch.randn(1024, 256))
+    first.linear(x, pool), second.linear(x, pool)  # first now reads second's weight ahead
+    kept = second.weight
+    del second
+    want = first.linear(x)
+    for _ in range(20):  # the read-ahead of the freed BoundWeight's weight: still alive, no fault
+        assert torch.equal(first.linear(x, pool), want)
+    pool.quiet()
+    assert first._next[0][1][0] is kept

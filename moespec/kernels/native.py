@@ -60,7 +60,9 @@ _SIGNATURES = {
     "spin_unbind": (None, [_P]),
     "spin_pool_new": (_P, [ctypes.c_int]),
     "spin_pool_free": (None, [_P]),
-    "spin_linear": (ctypes.c_int, [_P, _P, _P, _I, _P, _I]),
+    "spin_linear": (ctypes.c_int, [_P, _P, _P, _I, _P, _I, _P, _P]),
+    "spin_quiet": (None, [_P]),
+    "spin_pool_set_split_min_bytes": (None, [_P, _I]),
     "spin_experts": (ctypes.c_int, [_P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I,
                                     _I, _I, _I, _I, _I, _I, _I, _P]),
     "rms_norm": (None, [_P, _I, _I, _P, ctypes.c_float, _P]),  # norm.c (kernels/norm.py)

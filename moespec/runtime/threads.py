@@ -10,8 +10,12 @@ process computes on N cores. How they are used depends on the step:
   - decode (T <= ``DECODE_MAX_TOKENS``) with N > 1 on the CPU: the compute thread runs with ONE
     intra-op thread (the hundreds of tiny ops of a step stay on it and never fork a team), and
     N - 1 native spinning workers (kernels/spin.SpinPool) split every dense product bound by
-    runtime/dense.py (attention projections, fused q/k/v and gate/up, lm_head) by output rows: they
-    spin between the products of a step, so a split costs no thread wake-up; and N - 1 persistent
+    runtime/dense.py (attention projections, fused q/k/v and gate/up, lm_head) by output rows (from
+    ``split_min_bytes``) and a layer's routed experts one per chunk: they spin between the products
+    of a step, so a split costs no thread wake-up; between two products they read the next one's
+    weight into the shared L3 (``read_ahead``: the compute thread's Python between products is the
+    time a second core has; the product then reads L3, 55 us against 96 us from memory for a 2.2 MB
+    q/k/v here), and the step's end waits until no worker reads ahead; and N - 1 persistent
     Python workers (kernels/row_pool.RowPool) take the rest of the work that can use another core:
       * the weight-reading products of at least ``linear.SPLIT_MIN_BYTES`` through
         moespec.kernels.linear that are not bound, cut by output rows, the caller and
@@ -59,12 +63,18 @@ class ThreadPlan:
         shared_beside: run an MoE layer's shared expert on a worker beside the routed experts. Off by
             default: measured slower (the worker's Python and the compute thread's pass the GIL back
             and forth at every op; docs/decisions.md 2026-12-02 "A thread plan for decode").
+        read_ahead: the spinning workers read the next bound product's weight into the caches while
+            this thread runs the Python between products (kernels/spin.py); False: they only split.
+        split_min_bytes: bound products of fewer weight bytes run on this thread alone
+            (kernels/spin.SPLIT_MIN_BYTES by default).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.enabled = True
         self.shared_beside = False
+        self.read_ahead = True
+        self.split_min_bytes = spin.SPLIT_MIN_BYTES
         self._pools: dict[int, row_pool.RowPool] = {}
         self._spins: dict[int, spin.SpinPool] = {}
 
@@ -99,11 +109,16 @@ class ThreadPlan:
         pool = self.pool(threads - 1)
         pool.beside = self.shared_beside
         spinning = self.spin_pool(threads - 1)
+        if spinning is not None:
+            spinning.read_ahead = self.read_ahead
+            spinning.set_split_min_bytes(self.split_min_bytes)
         torch.set_num_threads(1)
         try:
             with row_pool.using(pool), spin.using(spinning):
                 yield pool
         finally:
+            if spinning is not None:
+                spinning.quiet()  # no read-ahead runs between steps (its loads need live weights)
             torch.set_num_threads(threads)
 
     def close(self) -> None:

@@ -37,6 +37,22 @@
  * that the thread it waits for needs; measured on this 2-core VM with three models' pools in one
  * process, two threads decoded at 0.50x one thread before the yields. */
 #define YIELD_NS 20000L
+/* Products of fewer weight bytes than this are not split (spin_pool_set_split_min_bytes sets it;
+ * kernels/spin.SPLIT_MIN_BYTES is the plan's). 0: every product of two chunks or more is split. */
+#define SPLIT_MIN_BYTES 0
+/* Read-ahead: while the caller runs the Python between two products (norms, attention, routing:
+ * tens of us), an idle worker reads the next product's weight (the one that followed this one last
+ * time: kernels/spin.py keeps that chain) into the caches, so the product reads it from L3 instead
+ * of memory. A layer's dense weights (~13 MB on the default model) fit the 32 MB L3 here; a weight
+ * bigger than PF_MAX_BYTES is read ahead only that far (lm_head: its first rows, which the split
+ * claims first). The worker reads one word per cache line (real loads: prefetcht1 hints measured no
+ * faster than none, a 2.2 MB product after them 107 us against 96 cold, while loads on the other
+ * core brought it to 55, 46 when warm on the same core). Loads may fault on freed memory, so the
+ * ranges' tensors are kept alive by kernels/spin.py while they may be read, and spin_quiet (the
+ * end of every thread-plan step) returns only when no worker reads ahead any more. */
+#define PF_RANGES 3
+#define PF_MAX_BYTES (8L << 20)
+#define PF_PIECE 4096L /* bytes read ahead between two looks at the ticket */
 
 typedef struct {
     int kind;
@@ -80,7 +96,16 @@ typedef struct {
     _Atomic int stop;
     _Atomic int rc;
     i64 chunk_bytes;
+    i64 split_min_bytes; /* products of fewer weight bytes run on the caller alone */
     job_t job;
+    /* The read-ahead request (spin_linear's pf_* arguments): up to PF_RANGES byte ranges the
+     * workers read into the caches while the caller runs on. pf_seq is bumped after the ranges are
+     * written; a worker that sees it change drops what it was reading and takes the new ranges
+     * (a range torn by a concurrent write only costs a few useless prefetches: see read_ahead). */
+    _Atomic uint64_t pf_seq;
+    _Atomic int reading; /* workers inside read_ahead (spin_quiet waits for 0) */
+    const char* pf_ptr[PF_RANGES];
+    i64 pf_len[PF_RANGES];
 } pool_t;
 
 static i64 now_ns(void) {
@@ -138,14 +163,64 @@ static void work(pool_t* p, uint64_t gen) {
     }
 }
 
+/* The read-ahead a worker is doing: the ranges it took at pf_seq ``seq``, how far it got. */
+typedef struct {
+    uint64_t seq;
+    const char* at[PF_RANGES];
+    i64 left[PF_RANGES];
+} ahead_t;
+
+/* Take the pool's current read-ahead request (pf_seq read first: a later bump makes the worker
+ * look again, so ranges written after this read are never missed for long). */
+static void take_ahead(pool_t* p, ahead_t* a) {
+    a->seq = atomic_load(&p->pf_seq);
+    for (int r = 0; r < PF_RANGES; r++) {
+        const i64 n = p->pf_len[r];
+        a->at[r] = p->pf_ptr[r];
+        a->left[r] = n < 0 ? 0 : n > PF_MAX_BYTES ? PF_MAX_BYTES : n;
+    }
+}
+
+/* Prefetch the read-ahead ranges piece by piece until done, a job is posted (generation != gen),
+ * a newer request comes or the pool stops. Returns 1 when the ranges are done. */
+static volatile uint64_t sink; /* keeps the read-ahead's loads */
+
+static int read_ahead(pool_t* p, ahead_t* a, uint64_t gen) {
+    int done = 1;
+    uint64_t acc = 0;
+    atomic_fetch_add(&p->reading, 1); /* seq_cst, before the first look at pf_seq: spin_quiet's pairing */
+    for (int r = 0; r < PF_RANGES && done; r++) {
+        while (a->left[r] > 0) {
+            if ((atomic_load(&p->ticket) >> 32) != gen || atomic_load(&p->pf_seq) != a->seq || atomic_load(&p->stop)) {
+                done = 0;
+                break;
+            }
+            const i64 n = a->left[r] < PF_PIECE ? a->left[r] : PF_PIECE;
+            for (i64 o = 0; o + 8 <= n; o += 64) acc ^= *(const uint64_t*)(a->at[r] + o);
+            a->at[r] += n, a->left[r] -= n;
+        }
+    }
+    sink = acc;
+    atomic_fetch_sub(&p->reading, 1);
+    return done;
+}
+
 static void* worker(void* arg) {
     pool_t* p = (pool_t*)arg;
     uint64_t seen = atomic_load(&p->ticket) >> 32;
+    ahead_t ahead;
+    take_ahead(p, &ahead);
+    for (int r = 0; r < PF_RANGES; r++) ahead.left[r] = 0; /* nothing asked yet */
     while (!atomic_load(&p->stop)) {
+        /* a read-ahead asked or left unfinished by a job: read it (a job or a newer request stops it) */
+        if (atomic_load(&p->pf_seq) != ahead.seq) take_ahead(p, &ahead);
+        read_ahead(p, &ahead, seen);
         const i64 start = now_ns(), until = start + SPIN_NS;
         i64 next_yield = start + YIELD_NS;
         uint64_t gen = seen;
-        for (int k = 0; (gen = atomic_load(&p->ticket) >> 32) == seen && !atomic_load(&p->stop); k++) {
+        for (int k = 0; (gen = atomic_load(&p->ticket) >> 32) == seen && atomic_load(&p->pf_seq) == ahead.seq &&
+                        !atomic_load(&p->stop);
+             k++) {
             _mm_pause();
             if ((k & 63) == 63) {
                 const i64 t = now_ns();
@@ -156,17 +231,20 @@ static void* worker(void* arg) {
                 }
             }
         }
-        if (gen == seen) { /* spun out: sleep until the next job (or stop) */
+        if (gen == seen && atomic_load(&p->pf_seq) == ahead.seq) { /* spun out: sleep until a job, read-ahead, stop */
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
-            while ((gen = atomic_load(&p->ticket) >> 32) == seen && !atomic_load(&p->stop))
+            while ((gen = atomic_load(&p->ticket) >> 32) == seen && atomic_load(&p->pf_seq) == ahead.seq &&
+                   !atomic_load(&p->stop))
                 pthread_cond_wait(&p->cv, &p->mu);
             atomic_fetch_sub(&p->sleepers, 1);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop)) break;
-        seen = gen;
-        work(p, gen);
+        if (gen != seen) {
+            seen = gen;
+            work(p, gen);
+        }
     }
     return NULL;
 }
@@ -181,6 +259,7 @@ void* spin_pool_new(int workers) {
     }
     const char* cb = getenv("MOESPEC_SPIN_CHUNK_BYTES");
     p->chunk_bytes = cb && atoll(cb) > 0 ? atoll(cb) : CHUNK_MIN_BYTES;
+    p->split_min_bytes = SPLIT_MIN_BYTES;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     for (int i = 0; i < workers; i++) {
@@ -204,10 +283,30 @@ void spin_pool_free(void* pv) {
     free(p);
 }
 
+void spin_pool_set_split_min_bytes(void* pv, i64 nbytes) {
+    if (pv) ((pool_t*)pv)->split_min_bytes = nbytes < 0 ? 0 : nbytes;
+}
+
 /* Rows of a chunk: about chunk_bytes of weight, a multiple of 8, at least 8. */
 static i64 chunk_rows(const bound_t* b, i64 chunk_bytes) {
     i64 rows = (chunk_bytes + b->row_bytes - 1) / b->row_bytes;
     return (rows + 7) / 8 * 8;
+}
+
+/* Wake sleeping workers (a job or a read-ahead was posted). */
+static void wake(pool_t* p) {
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+
+/* Ask the workers to read ranges ahead (pool_t's pf_* fields); n[r] <= 0: no range r. */
+static void post_ahead(pool_t* p, const void* const* ptr, const i64* n) {
+    for (int r = 0; r < PF_RANGES; r++) p->pf_ptr[r] = (const char*)ptr[r], p->pf_len[r] = n[r];
+    atomic_fetch_add(&p->pf_seq, 1); /* seq_cst: after the ranges */
+    wake(p);
 }
 
 /* Publish the job in p->job (its fields set), run chunks here too, wait for the last one. */
@@ -216,11 +315,7 @@ static int run_job(pool_t* p, i64 nchunks) {
     atomic_store(&p->rc, 0);
     const uint64_t gen = (atomic_load(&p->ticket) >> 32) + 1;
     atomic_store(&p->ticket, gen << 32); /* publishes the job (seq_cst: ordered after its fields) */
-    if (atomic_load(&p->sleepers) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-    }
+    wake(p);
     work(p, gen);
     /* a chunk a worker still runs: microseconds, unless that worker lost its core (then yield it) */
     for (int k = 0; atomic_load(&p->done) < nchunks; k++) {
@@ -231,9 +326,12 @@ static int run_job(pool_t* p, i64 nchunks) {
 }
 
 /* y[T, ldy] (float32) = x[T, C] (float32, contiguous) @ W.T for the bound weight; rows split over the
- * pool's workers and the caller (pool NULL: the caller alone, the serial reference). T <= 16.
- * Returns 0, or -1 when a kernel could not allocate its scratch rows. */
-int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 ldy) {
+ * pool's workers and the caller (pool NULL: the caller alone, the serial reference) when the weight
+ * has at least the pool's split_min_bytes and two chunks. T <= 16. Then, with a pool, the workers
+ * are asked to read ahead the ranges ahead_ptr[r], ahead_len[r] (r < 3; NULL arrays or length 0:
+ * none): the next product's weight. Returns 0, or -1 when a kernel could not allocate its scratch rows. */
+int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 ldy, const void* const* ahead_ptr,
+                const i64* ahead_len) {
     pool_t* p = (pool_t*)pv;
     const bound_t* b = (const bound_t*)bv;
     const int lowbit = b->kind == KIND_Q8 || b->kind == KIND_Q4;
@@ -246,13 +344,30 @@ int spin_linear(void* pv, const void* bv, const float* x, i64 T, float* y, i64 l
     }
     const i64 rows = chunk_rows(b, p ? p->chunk_bytes : CHUNK_MIN_BYTES);
     const i64 nchunks = (b->R + rows - 1) / rows;
-    if (!p || p->n == 0 || nchunks < 2)
-        return bound_rows(b, x, T, xs, y, ldy, 0, b->R);
-    job_t* j = &p->job;
-    j->ex = NULL, j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0;
-    j->chunk_rows = rows;
-    j->nchunks = nchunks;
-    return run_job(p, nchunks);
+    int rc;
+    if (!p || p->n == 0 || nchunks < 2 || b->R * b->row_bytes < p->split_min_bytes) {
+        rc = bound_rows(b, x, T, xs, y, ldy, 0, b->R);
+    } else {
+        job_t* j = &p->job;
+        j->ex = NULL, j->b = b, j->x = x, j->xs = xs, j->y = y, j->T = T, j->ldy = ldy, j->row0 = 0;
+        j->chunk_rows = rows;
+        j->nchunks = nchunks;
+        rc = run_job(p, nchunks);
+    }
+    if (p && p->n > 0 && ahead_ptr && ahead_len) post_ahead(p, ahead_ptr, ahead_len);
+    return rc;
+}
+
+/* Stop the read-ahead: returns when no worker reads any range posted before (an empty request is
+ * posted, then the workers inside read_ahead are waited for; each leaves within one PF_PIECE). */
+void spin_quiet(void* pv) {
+    pool_t* p = (pool_t*)pv;
+    if (!p || p->n == 0) return;
+    const void* none[PF_RANGES] = {0};
+    const i64 zero[PF_RANGES] = {0};
+    for (int r = 0; r < PF_RANGES; r++) p->pf_ptr[r] = (const char*)none[r], p->pf_len[r] = zero[r];
+    atomic_fetch_add(&p->pf_seq, 1); /* seq_cst, before the look at reading */
+    while (atomic_load(&p->reading) > 0) _mm_pause();
 }
 
 /* n SwiGLU experts of one decode layer (expert.c experts_swiglu's arguments), one expert per chunk,
