@@ -115,8 +115,12 @@ def test_right_predictions_move_on_demand_s_bytes_at_the_lru_cliff():
     # (2, b) evicts (2, a)
     assert ondemand.copies == 6 and ondemand.hits == {1: 2, 2: 1}
     pred = replay(trace, 3, rule, predictions=trace, prefetch_slots=1)
-    assert pred.copies == 6 and pred.prefetch_copies == 3 and pred.wasted == 0
-    assert pred.hits == {1: 3, 2: 3} and pred.misses == {0: 3}  # layer 0 has no predictor
+    # layer 0 is predicted at each step's start (the token start, runtime/layer/token_start.py)
+    assert pred.copies == 6 and pred.prefetch_copies == 6 and pred.wasted == 0
+    assert pred.hits == {0: 3, 1: 3, 2: 3} and pred.misses == {}
+    alone = replay(trace, 3, rule, predictions=trace, prefetch_slots=1, token_start=False)
+    assert alone.copies == 6 and alone.prefetch_copies == 3 and alone.wasted == 0
+    assert alone.hits == {1: 3, 2: 3} and alone.misses == {0: 3}  # without it layer 0 has no predictor
 
 
 @pytest.mark.parametrize("policy", list(CachePolicy))
@@ -139,7 +143,7 @@ def test_bytes_at_most_on_demand_plus_wrong_predictions(policy):
     ondemand = replay(trace, slots, rule, prefetch_slots=0)
     pred = replay(trace, slots, rule, preds, prefetch_slots=k)
     wrong = sum(len(set(p.get(layer, [])) - set(step[layer])) for s, (step, p) in enumerate(zip(trace, preds))
-                for layer in step if layer > 0)
+                for layer in step)  # layer 0's too: the token start prefetches it
     assert pred.copies <= ondemand.copies + wrong, (pred.copies, ondemand.copies, wrong)
     assert pred.hit_rate() > ondemand.hit_rate()
 

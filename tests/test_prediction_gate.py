@@ -9,6 +9,7 @@ import torch
 from moespec.config import ExecuteMode, Predictor, RuntimeConfig
 from moespec.runtime.engine import Engine
 from moespec.runtime.layer.gate import MIN_OUTCOMES, PROBE_EVERY, PredictionGate
+from moespec.runtime.layer.token_start import TOKEN_START
 from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
 
@@ -97,7 +98,11 @@ def test_every_expert_resident_stops_predicting_and_stays_exact(tiny_models):
     assert report and all(not r["open"] and r["skipped"] > 0 for r in report.values()), report
     # The stats say so per layer: every layer but the last predicted MIN_OUTCOMES times, then was gated.
     decode = [s for s in rec.steps if s.kind == "decode"]
+    assert TOKEN_START in report  # the token-start prediction (token_start.py) is gated the same way
     for layer, r in report.items():
+        if layer == TOKEN_START:  # no layer's l -> l+1: in the gate's report only
+            assert r["ran"] == MIN_OUTCOMES and r["skipped"] == len(decode) - MIN_OUTCOMES
+            continue
         assert sum(s.layers[layer].predicted for s in decode) == r["ran"] == MIN_OUTCOMES
         assert sum(s.layers[layer].predict_gated for s in decode) == r["skipped"] == len(decode) - MIN_OUTCOMES
 

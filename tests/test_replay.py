@@ -40,6 +40,12 @@ def test_replay_of_a_decode_run_gives_its_counts(tiny_models, predictor, slots):
                 predicted[self.target(layer).layer] = got.ids.reshape(-1).tolist()
             return got
 
+        def predict_first(self, state):  # the token start's (token_start.py): replayed at the step's start
+            got = super().predict_first(state)
+            if got is not None:
+                predicted[self.first.layer] = got.ids.reshape(-1).tolist()
+            return got
+
     if predictor == Predictor.ROUTER:
         om.use_policy(dataclasses.replace(om.policy, predictor=Recorded(om.adapter, om.layer_refs())))
     om.cache.engine.close()

@@ -56,6 +56,22 @@ class NextLayerPredictor:
         or None: this predictor has no lookahead (the default)."""
         return None
 
+    @property
+    def first(self) -> LayerRef | None:
+        """The first MoE layer (None: no MoE layer)."""
+        return self.refs[min(self.refs)] if self.refs else None
+
+    def predict_first(self, state: torch.Tensor) -> Routing | None:
+        """Predicted routing [T, K] of the first MoE layer of a new token, made before its first layer
+        runs, from ``state`` [T, H]: the token's quasi-hidden state there (its embedding plus the default
+        vector of what runs before that layer's MoE: runtime/layer/token_start.py). The first layer's
+        router on it, for every predictor (the next token's routing is no layer's ``predict``)."""
+        ref = self.first
+        if ref is None:
+            return None
+        logits = self.adapter.router_logits(ref.block, ref.norm(state))  # [T, E]
+        return self.adapter.select(ref.block, logits)
+
     def predict(self, layer: int, residual: torch.Tensor, used: Routing) -> Routing | None:
         """Predicted routing of the next MoE layer.
 

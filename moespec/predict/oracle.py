@@ -40,3 +40,9 @@ class OraclePredictor(NextLayerPredictor):
         if recorded is None:
             return None
         return Routing(ids=recorded.ids, weights=recorded.weights)  # ids/weights [T, K]
+
+    def predict_first(self, state: torch.Tensor) -> Routing | None:
+        """The recorded routing of the first MoE layer at ``step`` (the state is not needed)."""
+        first = self.first
+        recorded = None if first is None or self.step >= len(self.routings) else self.routings[self.step].get(first.layer)
+        return None if recorded is None else Routing(ids=recorded.ids, weights=recorded.weights)

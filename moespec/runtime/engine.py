@@ -127,6 +127,7 @@ class Engine:
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
+            om.token_started(inp)  # a decode step's first MoE layer is prefetched from here (token_start.py)
             with om.threads.step(len(new_ids)):  # who runs where (runtime/threads.py)
                 out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
                                **{self._cache_kw: self._kv})

@@ -175,6 +175,11 @@ class OffloadedModel:
         ``prefill``: the next forward is a prefill (exact in every mode, even a one-token one)."""
         self.runner.reset_step(prefill)
 
+    def token_started(self, input_ids: torch.Tensor) -> None:
+        """A forward of ``input_ids`` [1, T] starts (after ``reset_step`` and the recorder's
+        ``begin_step``): the runner predicts a decode step's first MoE layer from the embedding rows."""
+        self.runner.token_started(self.model.get_input_embeddings()(input_ids).reshape(input_ids.shape[-1], -1))
+
     def abort(self) -> None:
         """After a forward that raised: cancel queued copies, drop every pin and the forward's state."""
         self.runner.abort()

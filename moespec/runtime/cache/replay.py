@@ -100,14 +100,16 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
            predictions: Trace | None = None, prefetch_slots: int | None = None,
            engine: TransferEngine | None = None, ranks: Trace | None = None,
            predicted_ranks: Trace | None = None, lookahead_ranks: Trace | None = None,
-           next_token_ranks: Trace | None = None) -> ReplayResult:
+           next_token_ranks: Trace | None = None, token_start: bool = True) -> ReplayResult:
     """Run ``trace`` through a fresh ExpertCache of ``num_slots`` slots.
 
     Args:
         trace: per step, layer -> expert ids run (layers in execution order).
         rule: makes the eviction rule (None = LRU).
         predictions: per step, layer -> predicted ids for that layer, prefetched while the layer
-            before it runs (None = on-demand).
+            before it runs (None = on-demand); the step's first layer's, with ``token_start``, at the
+            start of the step, before any layer runs (the runtime's token-start prefetch:
+            runtime/layer/token_start.py).
         prefetch_slots: most unused prefetch copies pinned at once (None: the cache's default).
         engine: the stand-in transfer engine (None: NullEngine, copies land at once).
         ranks: per step, layer -> its router's expert ids best first (the rule's ``routed``).
@@ -126,6 +128,9 @@ def replay(trace: Trace, num_slots: int, rule: Callable[[], EvictionRule] | None
     dropped = 0
     for s, step in enumerate(trace):
         layers = list(step)
+        if predictions is not None and token_start and layers and layers[0] in predictions[s]:
+            first = layers[0]
+            ledger.issue(first, sorted(set(predictions[s][first])), stats.setdefault(first, LayerStats()))
         for layer, ranked in (next_token_ranks[s] if next_token_ranks is not None else {}).items():
             cache.rule.predicted(layer, ranked, distance=NEXT_TOKEN)
         for i, layer in enumerate(layers):

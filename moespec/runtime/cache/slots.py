@@ -199,12 +199,14 @@ class ExpertCache(PrefetchEnds, AheadSlots):
         rec.key = None
         rec.state = EMPTY
 
-    def _victim(self, reserved: set[int] | None = None) -> int | None:
+    def _victim(self, reserved: set[int] | None = None, target: int | None = None) -> int | None:
         """The slot a demand copy takes now: an empty one, else the oldest unused prediction, else the
         rule's victim, among unpinned slots; the layer before's only when no other is evictable
-        (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch): the one its demand miss
-        would take, the running layer's slots counted as released and ``reserved`` as gone (module
-        docstring); it may be pinned or in flight now."""
+        (``EvictionRule.keeps_last_visit``). With ``reserved`` (a prefetch for layer ``target``): the
+        one its demand miss would take, the running layer's slots counted as released and ``reserved``
+        as gone (module docstring); it may be pinned or in flight now. The last visit's slots are
+        the layer before's for ``target``'s miss (``begin_visit``) whether they are still pinned
+        (inside a token) or released already (a token-start prefetch: token_start.py)."""
         protected, records, rule = self._protected, self._slot, self.rule
         if reserved is None:
             back_set = self._last if rule.keeps_last_visit else ()
@@ -212,8 +214,13 @@ class ExpertCache(PrefetchEnds, AheadSlots):
             back = lambda: (records[s] for s in self._lru if s in back_set and s not in protected)  # noqa: E731
         else:
             skip = protected | reserved
-            running = [records[s] for s in self._visit if records[s].pins and s not in skip]
-            back = lambda: iter(sorted(running, key=lambda rec: rec.key))  # noqa: E731 (released in key order)
+            running = sorted((records[s] for s in self._visit if records[s].pins and s not in skip),
+                             key=lambda rec: rec.key)  # released in key order, behind every other
+            visit = set(self._visit) if rule.keeps_last_visit and target != self._visit_layer else ()
+            done = [records[s] for s in self._lru if s in visit and s not in skip]  # released already
+            if visit:
+                skip = skip | visit
+            back = lambda: itertools.chain(done, running)  # noqa: E731
 
         def front():  # lazily: LRU's victim is usually the first slot
             return (records[s] for s in self._lru if s not in skip)
@@ -343,7 +350,7 @@ class ExpertCache(PrefetchEnds, AheadSlots):
             self.confirm(slot)  # an ahead copy (ahead_slot.py) is the next layer's prediction now
             return slot, False
         reserved = set() if reserved is None else reserved
-        slot = self._victim(reserved)
+        slot = self._victim(reserved, key[0])
         if slot is None:
             return None
         if not copy or len(self._held) >= self.prefetch_slots or self._slot[slot].pins or self.in_flight(slot):

@@ -28,6 +28,8 @@ class LayerPolicy:
             (runner.py ``_batched``); False: one at a time, through the stream (the reference).
         ahead_recall: read layer l+2's predicted rows while l computes once the lookahead's running
             recall is at least this (ahead.py); None: off (the default).
+        token_start: a decode step predicts and prefetches its first MoE layer before that layer runs
+            (token_start.py); False: only layer l -> l+1 (the reference it is measured against).
     """
 
     predictor: NextLayerPredictor
@@ -39,6 +41,7 @@ class LayerPolicy:
     prediction_gate: bool = True
     batch_experts: bool = True
     ahead_recall: float | None = None
+    token_start: bool = True
 
     @classmethod
     def from_config(cls, cfg: RuntimeConfig, predictor: NextLayerPredictor) -> LayerPolicy:

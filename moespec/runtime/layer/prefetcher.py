@@ -7,7 +7,9 @@ routing of l' (the next MoE layer), unless the miss handler's prediction gate sa
 (``--on-miss auto``). After l's demand copies are queued, :meth:`Prefetcher.prefetch` keeps the
 prediction for l' (speculative mode runs it there; its recall is measured there) and has the
 ledger pin or copy its experts (runtime/cache/ledger.py). Exact and guarded layers predict only while the per-layer gate
-(gate.py) says prefetching pays. :class:`NoPrefetcher` is the no-op twin for ``--predictor none``.
+(gate.py) says prefetching pays. At the start of a decode forward :meth:`Prefetcher.prefetch_first`
+predicts the new token's first MoE layer (token_start.py) and prefetches it the same way, under the
+gate's ``TOKEN_START`` entry. :class:`NoPrefetcher` is the no-op twin for ``--predictor none``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moespec.models.base import Routing
 from moespec.predict.base import NextLayerPredictor
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.layer.gate import PredictionGate
+from moespec.runtime.layer.token_start import TOKEN_START, TokenStart
 from moespec.runtime.misses.handlers import FetchMisses
 from moespec.runtime.stats import LayerStats, StatsRecorder
 
@@ -54,6 +57,10 @@ class NoPrefetcher:
 
     def observed(self, layer: int, used: int, wasted: int) -> None:
         """``layer``, which a prediction was made for, ran: ``used`` / ``wasted`` of its prefetch copies."""
+
+    def prefetch_first(self, start: TokenStart, recorder: StatsRecorder) -> None:
+        """A decode forward starts: predict its first MoE layer from the token's quasi-hidden state
+        (``start.state()`` [1, H], token_start.py) and prefetch it."""
 
 
 class Prefetcher(NoPrefetcher):
@@ -98,13 +105,34 @@ class Prefetcher(NoPrefetcher):
         t0 = time.perf_counter()
         target = self.predictor.target(layer).layer
         self.predicted[target] = prediction
-        wanted, budget = self.misses.prefetch_plan(list(prediction.best_first or prediction.host_ids), self.ledger.cache)
+        self._issue(layer, target, list(prediction.best_first or prediction.host_ids), recorder, t0)
+
+    def _issue(self, source: int, target: int, best_first: list[int], recorder: StatsRecorder, t0: float) -> None:
+        """Pin / copy ``best_first`` of layer ``target`` (predicted at ``source``: a layer, or
+        TOKEN_START); the main-thread time since ``t0`` and the prediction's go to the gates."""
+        wanted, budget = self.misses.prefetch_plan(best_first, self.ledger.cache)
         self.ledger.issue(target, wanted, recorder.layer(target), budget)
         ms = (self._predict_s + time.perf_counter() - t0) * 1e3
         self.misses.observe_predict(ms)
         if self.gate is not None:
-            self.gate.observe_predict(layer, ms)
-            self._source[target] = layer
+            self.gate.observe_predict(source, ms)
+            self._source[target] = source
+
+    def prefetch_first(self, start: TokenStart, recorder: StatsRecorder) -> None:
+        first = self.predictor.first
+        if first is None or not self.misses.pays():
+            return
+        if self.gate is not None and not self.gate.admits(TOKEN_START):  # counted in the gate's report only
+            return
+        t0 = time.perf_counter()
+        got = self.predictor.predict_first(start.state())
+        if got is None:
+            return
+        t1 = time.perf_counter()
+        self._predict_s = t1 - t0
+        flat = got.ids.reshape(-1)  # [K]
+        best = flat[got.weights.reshape(-1).argsort(descending=True, stable=True)].tolist()  # the one host read
+        self._issue(TOKEN_START, first.layer, best, recorder, t1)
 
     def observed(self, layer: int, used: int, wasted: int) -> None:
         source = self._source.pop(layer, None)

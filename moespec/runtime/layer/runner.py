@@ -13,6 +13,8 @@ A decode step of MoE layer l (``MoeLayerRunner._decode``; the copy of l+1 overla
              expert (runtime/cache/stream.py); after l's demand copies are queued, l+1's predicted
              experts are prefetched (resident ones pinned first, then copies);
   combine    the host's experts join the device's, summed as transformers sums (experts.py).
+Before the first layer of a decode step, the new token's first MoE layer is predicted from its
+embedding and prefetched (``token_started``; token_start.py).
 A prefill is always exact: one argsort groups the pairs by expert (experts.group_by_expert), its
 one host read is the per-expert counts. Statistics computed on the device (recall, skipped mass)
 are read once per step at end_step, so a layer costs at most one host sync in every mode.
@@ -41,6 +43,7 @@ from moespec.runtime.layer.observer import Observer
 from moespec.runtime.layer.policy import LayerPolicy
 from moespec.runtime.layer.prefetcher import NoPrefetcher, Prediction, Prefetcher
 from moespec.runtime.layer.routing_stats import record_recall, record_skipped
+from moespec.runtime.layer.token_start import TokenStart
 from moespec.runtime.misses.handlers import miss_handler
 from moespec.runtime.misses.planner import MissPlanner
 from moespec.runtime.stats import LayerStats, StatsRecorder
@@ -69,6 +72,7 @@ class MoeLayerRunner:
         self._decode_tok = torch.zeros(1, dtype=torch.long, device=cache.slots.device)  # [1] token index
         self._prefill_forward = False  # set per forward by reset_step
         self._has_shared = type(adapter).shared_output is not MoeAdapter.shared_output  # a family with shared experts
+        self.token_start = TokenStart(min(cache.store.moe_layers))  # kept across policies: its default vector
         self.use_policy(policy, planner)
 
     def use_policy(self, policy: LayerPolicy, planner: MissPlanner | None) -> None:
@@ -126,11 +130,20 @@ class MoeLayerRunner:
         self.prefetcher.clear()
         self.ahead.clear()
         self.residual.clear()
+        self.token_start.clear()
+
+    def token_started(self, embedded: torch.Tensor) -> None:
+        """A forward starts (after ``reset_step``) with the tokens whose embedding rows are ``embedded``
+        [T, H]: a decode step predicts and prefetches its first MoE layer now (token_start.py)."""
+        self.token_start.started(embedded)
+        if embedded.shape[0] == 1 and not self._prefill_forward and self.policy.token_start:
+            self.prefetcher.prefetch_first(self.token_start, self.recorder)
 
     # ------------------------------------------------------------------------------------
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) MoE output [T, H] of ``block`` for router input ``x`` [T, H]."""
         stats = self.recorder.layer(block.layer)
+        self.token_start.observe(block.layer, self.residual.get(block.layer))  # its default vector
         decode = x.shape[0] == 1 and not self._prefill_forward  # prefill is exact (design.md)
         self.misses.layer_started(not decode)  # decode layers feed the layer-time average
         # The thread plan (runtime/threads.py): the shared expert on an idle row worker while this
