@@ -78,6 +78,7 @@ class OffloadedModel:
         threads: the thread plan of its forwards (runtime/threads.py; ``threads.enabled = False``: serial).
         dense: the dense linears' decode path and stored weights (runtime/dense.py), or None.
         norms: the native RMSNorms, which also record r_l (runtime/norm_call.py), or None.
+        decode: the decoder layers' lean decode steps (runtime/decode_layer.py), or None.
     """
 
     model: nn.Module
@@ -96,6 +97,7 @@ class OffloadedModel:
     threads: ThreadPlan | None = None  # who runs where in a forward (runtime/threads.py); set in __post_init__
     dense: object | None = None  # runtime.dense.DensePath
     norms: object | None = None  # runtime.norm_call.NormPath
+    decode: object | None = None  # runtime.decode_layer.DecodePath
 
     def __post_init__(self) -> None:
         if self.threads is None:
