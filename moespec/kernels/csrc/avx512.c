@@ -139,6 +139,38 @@ static inline __attribute__((always_inline)) void q8_t1_512_g(const float* x, co
     }
 }
 
+/* Two q4 rows' last columns [k, C) (C % 128 of them: blocks of 32, then 16) into acc0/acc1, at the
+ * rows' group scales sv0/sv1: the tail both one-token q4 kernels share (x: the activations as
+ * floats; the integer kernel passes its integers as floats, so the tail stays exact). */
+static inline __attribute__((always_inline)) void q4_tail_2rows(const float* x, const uint8_t* b0, const uint8_t* b1,
+                                                                const float* sv0, const float* sv1, i64 k, i64 C,
+                                                                i64 g, __m512* acc0, __m512* acc1) {
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i tail_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    while (k < C) {
+        const i64 j = k / g;
+        const __m512 xa = _mm512_loadu_ps(x + k);
+        __m512 p0, p1;
+        if (k + 32 <= C) {
+            const __m512 xb = _mm512_loadu_ps(x + k + 16);
+            const __m512i v0 = u8x16(b0 + k / 2), v1 = u8x16(b1 + k / 2);
+            p0 = _mm512_fmadd_ps(q4_hi(v0), xb, _mm512_mul_ps(q4_lo(v0, lut), xa));
+            p1 = _mm512_fmadd_ps(q4_hi(v1), xb, _mm512_mul_ps(q4_lo(v1, lut), xa));
+            k += 32;
+        } else {
+            __m128i c0 = _mm_loadl_epi64((const __m128i*)(b0 + k / 2));
+            __m128i c1 = _mm_loadl_epi64((const __m128i*)(b1 + k / 2));
+            const __m512i v0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c0, c0)), tail_shift);
+            const __m512i v1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c1, c1)), tail_shift);
+            p0 = _mm512_mul_ps(q4_lo(v0, lut), xa);
+            p1 = _mm512_mul_ps(q4_lo(v1, lut), xa);
+            k += 16;
+        }
+        *acc0 = _mm512_fmadd_ps(p0, _mm512_set1_ps(sv0[j]), *acc0);
+        *acc1 = _mm512_fmadd_ps(p1, _mm512_set1_ps(sv1[j]), *acc1);
+    }
+}
+
 /* q4 rows, one token, without shuffles: a 64-byte load holds 128 columns (4 blocks); dword lane i
  * holds bytes 4i .. 4i+3 of the chunk, so (lane >> (8b + 4h)) & 15 is, for every lane at once, the
  * code of column (i / 4) * 32 + 4 (i % 4) + b + 16 h. x is permuted once per call into that order
@@ -154,7 +186,6 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
         const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g, rb = C / 2, NC = C / 128;
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i tail_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
     __m512i sidx;  /* lane i -> its group, relative to the chunk's first */
     {
         int32_t t[16];
@@ -196,28 +227,7 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
             acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), s0, acc0);
             acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), s1, acc1);
         }
-        for (i64 k = NC * 128; k < C;) {  /* the last C % 128 columns: blocks of 32, then 16 */
-            const i64 j = k / g;
-            const __m512 xa = _mm512_loadu_ps(x + k);
-            __m512 p0, p1;
-            if (k + 32 <= C) {
-                const __m512 xb = _mm512_loadu_ps(x + k + 16);
-                const __m512i v0 = u8x16(b0 + k / 2), v1 = u8x16(b1 + k / 2);
-                p0 = _mm512_fmadd_ps(q4_hi(v0), xb, _mm512_mul_ps(q4_lo(v0, lut), xa));
-                p1 = _mm512_fmadd_ps(q4_hi(v1), xb, _mm512_mul_ps(q4_lo(v1, lut), xa));
-                k += 32;
-            } else {
-                __m128i c0 = _mm_loadl_epi64((const __m128i*)(b0 + k / 2));
-                __m128i c1 = _mm_loadl_epi64((const __m128i*)(b1 + k / 2));
-                const __m512i v0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c0, c0)), tail_shift);
-                const __m512i v1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c1, c1)), tail_shift);
-                p0 = _mm512_mul_ps(q4_lo(v0, lut), xa);
-                p1 = _mm512_mul_ps(q4_lo(v1, lut), xa);
-                k += 16;
-            }
-            acc0 = _mm512_fmadd_ps(p0, _mm512_set1_ps(sv0[j]), acc0);
-            acc1 = _mm512_fmadd_ps(p1, _mm512_set1_ps(sv1[j]), acc1);
-        }
+        q4_tail_2rows(x, b0, b1, sv0, sv1, NC * 128, C, g, &acc0, &acc1);
         y[r] = _mm512_reduce_add_ps(acc0) - z0;
         if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
     }
@@ -283,8 +293,6 @@ static inline __attribute__((always_inline)) int q4_t1_int_g(const float* x, con
     int8_t xd[NC * 384 + 64];
     float xf[C + 16], dx[G + 4], xsi[G + 4];
     if (q4_quant_x(x, C, g, xd, xf, dx, xsi)) return 1;
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i tail_shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
     const __m512i m15 = _mm512_set1_epi8(15);
     __m512i sidx;  /* lane i -> its group, relative to the chunk's first */
     {
@@ -322,28 +330,7 @@ static inline __attribute__((always_inline)) int q4_t1_int_g(const float* x, con
             acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), s0, acc0);
             acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s1, acc1);
         }
-        for (i64 k = NC * 128; k < C;) {  /* the last C % 128 columns, as q4_t1_sf_g's tail, on xi */
-            const i64 j = k / g;
-            const __m512 xa = _mm512_loadu_ps(xf + k);
-            __m512 p0, p1;
-            if (k + 32 <= C) {
-                const __m512 xb = _mm512_loadu_ps(xf + k + 16);
-                const __m512i v0 = u8x16(b0 + k / 2), v1 = u8x16(b1 + k / 2);
-                p0 = _mm512_fmadd_ps(q4_hi(v0), xb, _mm512_mul_ps(q4_lo(v0, lut), xa));
-                p1 = _mm512_fmadd_ps(q4_hi(v1), xb, _mm512_mul_ps(q4_lo(v1, lut), xa));
-                k += 32;
-            } else {
-                __m128i c0 = _mm_loadl_epi64((const __m128i*)(b0 + k / 2));
-                __m128i c1 = _mm_loadl_epi64((const __m128i*)(b1 + k / 2));
-                const __m512i v0 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c0, c0)), tail_shift);
-                const __m512i v1 = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c1, c1)), tail_shift);
-                p0 = _mm512_mul_ps(q4_lo(v0, lut), xa);
-                p1 = _mm512_mul_ps(q4_lo(v1, lut), xa);
-                k += 16;
-            }
-            acc0 = _mm512_fmadd_ps(p0, _mm512_set1_ps(sv0[j]), acc0);
-            acc1 = _mm512_fmadd_ps(p1, _mm512_set1_ps(sv1[j]), acc1);
-        }
+        q4_tail_2rows(xf, b0, b1, sv0, sv1, NC * 128, C, g, &acc0, &acc1);  /* on xi as floats */
         y[r] = _mm512_reduce_add_ps(acc0) - z0;
         if (r2 != r) y[r2] = _mm512_reduce_add_ps(acc1) - z1;
     }
