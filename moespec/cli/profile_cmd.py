@@ -165,7 +165,7 @@ def profile(
         closed = [g for g in res.get("gate") or () if not g["open"]]
         if closed:
             out_console.print(f"{res['strategy']} (prompt {res['prompt_len']}): prediction gated at layer "
-                              + ", ".join(f"{g['layer']} ({g['why']})" for g in closed))
+                              + ", ".join(f"{_gate_source(g['layer'])} ({g['why']})" for g in closed))
     share = report.get("copy_share")
     if share:
         reached = ", ".join(f"{v:.2f} at prompt {p}" for p, v in share["reached"].items() if v is not None)
@@ -317,3 +317,10 @@ def _tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _gate_source(layer: int) -> str:
+    """A gate report's source as a user reads it: a layer index, or the token start (its key, -1)."""
+    from moespec.runtime.layer.token_start import TOKEN_START
+
+    return "the token start" if layer == TOKEN_START else str(layer)

@@ -77,8 +77,10 @@ def gated(arm: Arm, loaded: bool) -> bool:
 
 def cold_start(om) -> None:
     """Before each item: no prefetch pins, an empty expert cache whose eviction rule starts from its seed,
-    and the policy applied again, so the prediction gate (runtime/layer/gate.py) forgets what it measured
-    (an item's score then does not depend on the items before it, so a resumed run equals a whole one)."""
+    the token start's default vector unmeasured (runtime/layer/token_start.py), and the policy applied
+    again, so the prediction gate (runtime/layer/gate.py) forgets what it measured (an item's score then
+    does not depend on the items before it, so a resumed run equals a whole one)."""
     om.reset_step()
     om.cache.clear()
+    om.runner.token_start.reset()
     om.use_policy(om.policy)

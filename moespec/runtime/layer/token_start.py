@@ -50,6 +50,12 @@ class TokenStart:
         """Forget the running forward's embedding rows (a forward ended or was abandoned)."""
         self._embedded = None
 
+    def reset(self) -> None:
+        """Forget the measured default vector too (eval's cold start: a guarded score depends on what
+        is resident, so on what the token start prefetched, so on ``a``: an item's score must not
+        depend on the items before it)."""
+        self._sum, self._n, self._embedded = None, 0, None
+
     def state(self) -> torch.Tensor | None:
         """q = e + a [T, H] in the embedding's dtype (e alone before any token ran; None: not started)."""
         e = self._embedded
