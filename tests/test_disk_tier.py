@@ -109,8 +109,9 @@ def test_a_row_changed_under_the_running_model_fails_the_request_never_wrong_wei
                 fh.seek(om.store.expert(om.store.moe_layers[0], e).offset)
                 fh.write(b"\x7f" * 64)
         assert off
-        with pytest.raises(CheckpointError, match="changed under the running model"):
+        with pytest.raises(CheckpointError, match="changed under the running model") as exc:
             list(Engine(om).generate(GREEDY_PROMPT, SamplingConfig(max_new_tokens=2)))
+        assert exc.value.message.count(str(path)) == 1  # named once
         assert not path.exists()  # removed: the next start rebuilds it
     finally:
         om.close()
@@ -336,3 +337,32 @@ def test_disk_reads_is_direct_or_mmap():
 
     with pytest.raises(OptionError, match="disk_reads 'mapped'"):
         RuntimeConfig(disk_reads="mapped")
+
+
+def test_a_read_error_while_serving_is_a_server_error_and_the_next_request_works(model):
+    """A disk fault is the server's, not the request's: 500 server_error (was 400), then served again."""
+    import httpx2 as httpx
+    from serve_harness import serve
+
+    from moespec.serve.app import ServeSettings
+
+    with serve(model, ServeSettings(max_queue=2), RuntimeConfig(device="cpu", host_memory_bytes=MIN_ROUTER)) as s:
+        body = {"model": s.app.state.backend.name, "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello"}]}
+        want = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120).json()
+        reader = s.app.state.backend.engine.om.cache.engine
+
+        def fault(row):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        reader.fault = fault
+        try:
+            r = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120)
+        finally:
+            reader.fault = None
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "Input/output error" in err["message"]
+        assert "\n" not in err["message"] and err["message"].count(str(s.app.state.backend.engine.om.store.path)) == 1
+        again = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120).json()
+    assert again["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]

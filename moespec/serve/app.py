@@ -216,6 +216,8 @@ class _Service:
                                        code="shutting_down")
                     return JSONResponse(fmt.full(payload))
                 if kind == "error":
+                    if isinstance(payload, MoespecError):  # a fault while generating (a disk read), not the request's
+                        raise ApiError(500, f"generation failed: {payload.message}") from payload
                     raise payload
                 if kind == "gone":
                     return Response(status_code=499)  # nobody reads it

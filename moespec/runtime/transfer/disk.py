@@ -213,8 +213,12 @@ class DiskReadEngine(CopyQueue, TransferEngine):
             ticket.done.set()
             self._cv.notify_all()
 
+    @staticmethod
+    def _row(row) -> str:
+        return f"layer {row.key[0]} expert {row.key[1]}"
+
     def _where(self, row) -> str:
-        return f"layer {row.key[0]} expert {row.key[1]} of {self.path}"
+        return f"{self._row(row)} of {self.path}"
 
     def _read_chunk(self, rd: _Read, start: int, n: int, first: bool) -> str | None:
         """Bytes [start, start + n) of ``rd``'s row into its slot; None, or why it failed (one line)."""
@@ -231,7 +235,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
             return f"reading {self._where(row)} failed: {exc}"
         need = min(n, row.nbytes - start)
         if got < need:
-            return f"{self.path} is truncated: {self._where(row)} ends after {start + got} of {row.nbytes} bytes"
+            return f"{self.path} is truncated: {self._row(row)} ends after {start + got} of {row.nbytes} bytes"
         return None
 
     def _check(self, dst: torch.Tensor, row) -> str | None:
@@ -243,7 +247,7 @@ class DiskReadEngine(CopyQueue, TransferEngine):
         h.update(memoryview(data).cast("B"))
         if h.hexdigest() != row.digest:
             self._forget()
-            return f"{self.path} changed under the running model ({self._where(row)} fails its checksum)"
+            return f"{self.path} changed under the running model ({self._row(row)} fails its checksum)"
         return None
 
     def _enqueue_locked(self, dst, src, ticket: Ticket) -> None:
