@@ -42,7 +42,9 @@ def _compile(src: Path, out: Path, flags: list[str], isa: str) -> ctypes.CDLL:
     lib.cpu_isa(0 if isa == "avx2" else 1)
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.spin_bind.restype, lib.spin_bind.argtypes = p, [ctypes.c_int, p, p, p, i, i, i]
-    lib.spin_linear.restype, lib.spin_linear.argtypes = ctypes.c_int, [p, p, p, i, p, i]
+    # spin_linear's last two (the read-ahead ranges, since issue 33's thread plan) are NULL here: no pool;
+    # a tree from before them takes six and the two extra arguments are ignored (the caller pops them)
+    lib.spin_linear.restype, lib.spin_linear.argtypes = ctypes.c_int, [p, p, p, i, p, i, p, p]
     lib.spin_unbind.restype, lib.spin_unbind.argtypes = None, [p]
     return lib
 
@@ -111,8 +113,8 @@ def main() -> int:
                 lib, y = libs[k], ys[k]
                 t0 = time.perf_counter()
                 for b in bound[k]:
-                    lib.spin_linear(None, b, x.data_ptr(), 1, y.data_ptr(), r)
-                return (time.perf_counter() - t0) / len(ws) * 1e6
+                    lib.spin_linear(None, b, x.data_ptr(), 1, y.data_ptr(), r, None, None)
+                return (time.perf_counter() - t0) / len(bound[k]) * 1e6
 
             one_pass("old"), one_pass("new")  # first touch, untimed
             us = {"old": [], "new": []}
