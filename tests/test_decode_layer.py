@@ -106,3 +106,30 @@ def test_unusual_calls_go_to_own_forward(folders, monkeypatch):
         path.uninstall()
     finally:
         om.close()
+
+
+@pytest.mark.parametrize("where", ["mlp", "q_proj", "global"])
+def test_a_forward_hook_sends_the_step_to_the_own_forward(folders, where):
+    """A hook on a module the lean step would call past nn.Module.__call__ (here the MoE block or a
+    projection; or a global module hook) still runs: the step takes the layer's own forward."""
+    om = load_offloaded(folders["qwen3_moe"], RuntimeConfig(predictor=Predictor.ROUTER, cache_experts=6))
+    fired = []
+    layer = om.model.model.layers[1]
+    try:
+        if where == "global":
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: fired.append(1))
+        else:
+            target = layer.mlp if where == "mlp" else layer.self_attn.q_proj
+            handle = target.register_forward_pre_hook(lambda m, a: fired.append(1))
+        eng = Engine(om)
+        logits = eng.prefill(list(GREEDY_PROMPT))
+        before, calls = len(fired), om.decode.calls
+        eng.forward([int(logits.argmax())], "decode")
+        assert len(fired) > before  # the hook ran on the decode step
+        hooked_layers = len(om.decode.layers) if where == "global" else 1
+        assert om.decode.calls == calls + len(om.decode.layers) - hooked_layers  # the others stay lean
+        handle.remove()
+        eng.forward([3], "decode")
+        assert om.decode.calls == calls + 2 * len(om.decode.layers) - hooked_layers  # lean again
+    finally:
+        om.close()

@@ -121,3 +121,16 @@ def test_one_bar_per_task_counts_every_arm_and_the_time_line_gives_the_wall_time
     results = {a.name: ArmResults(None, {}, {"quiz": {"seconds": s, "items": {}}}) for a, s in ((EXACT, 61.0), (SPEC, 30.0))}
     line = time_line([EXACT, SPEC], results, 65.5, 2)
     assert line == "wall time 1m05s (2 workers); scoring time per arm (items summed): exact 1m01s, speculative router 0m30s"
+
+
+def test_a_worker_slower_than_the_parent_is_waited_for(tiny_models, task_dir, tmp_path, monkeypatch):  # noqa: F811
+    """The parent ends its share first (the worker still starts a process, imports and opens the model):
+    it waits for the worker however long it takes; the Ctrl-C bound (JOIN_S) is for an interrupted run
+    only (CI, on a loaded machine, had a worker stopped 30 s after the parent's share: exit code -15)."""
+    from moespec.eval import workers
+
+    monkeypatch.setattr(workers, "JOIN_S", 0.0)
+    tasks = [load_task("quiz", task_dir / "quiz.jsonl")]
+    got, steps = _run(tiny_models["qwen3_moe"], tasks, tmp_path / "two", 2)
+    assert len(steps) == 3 * 3  # every arm-item, the worker's share included
+    assert all(set(got[a.name]["quiz"]["items"]) == {"0", "1", "2"} for a in ARMS)

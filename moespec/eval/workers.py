@@ -31,7 +31,7 @@ from moespec.eval.results import ArmResults
 from moespec.eval.run import EvalConfig, Limits, ProgressFn, arm_key, evaluate, limited
 
 PART_PREFIX = ".worker-"
-JOIN_S = 30.0  # how long the parent waits for a worker to save after Ctrl-C before it stops it
+JOIN_S = 30.0  # how long the parent waits for a worker to save after Ctrl-C or an error before it stops it
 
 
 @dataclass(frozen=True)
@@ -183,12 +183,17 @@ def evaluate_split(opened, model: str | None, rcfg, tasks: list[TaskData], arms:
 
     listener = threading.Thread(target=listen, name="moespec-eval-workers", daemon=True)
     listener.start()
+    done_here = False
     try:
         evaluate(opened, rcfg, parts[0], arms, base, (lambda a, t, total, have: steps.get((a.name, t.name)))
                  if progress is not None else None)
+        done_here = True
     finally:
         for p in procs:
-            p.join(JOIN_S)
+            # a worker with more of its share left than the parent runs to its end (on a loaded machine
+            # it can take minutes longer: CI killed one after 30 s); JOIN_S bounds only the wait after
+            # Ctrl-C or an error here
+            p.join(None if done_here else JOIN_S)
             if p.is_alive():
                 p.terminate()
                 p.join()

@@ -15,7 +15,8 @@ RMSNorms, rotary embedding, SDPA, o_proj) runs a forward of its own (this instan
     it for one query without a mask (``enable_gqa`` when heads are grouped);
   - with one token, [1, 1, Hq, D] and [1, Hq, 1, D] are one memory layout: views, no transposes.
 Anything else (prefill, a mask, another cache class, a sliding-window layer, extra kwargs, under
-torch.compile, the reference) runs the layer's own forward. The reference, ``DecodePath.reference =
+torch.compile, a forward hook on any module the step calls, the reference) runs the layer's own
+forward. The reference, ``DecodePath.reference =
 True``, is the layers' own forwards; tests compare the logits bit for bit.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from moespec.runtime.forwards import restore_forwards
 
@@ -113,13 +115,21 @@ def _forward(path: DecodePath, layer: nn.Module, own, qk_norm: bool):
     in_norm, post_norm, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     q_norm, k_norm = (attn.q_norm, attn.k_norm) if qk_norm else (None, None)
+    # the modules the lean step calls past nn.Module.__call__: one with a hook on it (a profiler's,
+    # a test's Ctrl-C, a user's) sends the step to the layer's own forward, so every hook still runs
+    called = tuple(m for m in (in_norm, attn, q_proj, k_proj, v_proj, q_norm, k_norm, o_proj, post_norm, mlp)
+                   if m is not None)
+
+    def hooked() -> bool:
+        return bool(_global_forward_hooks or _global_forward_pre_hooks
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in called))
 
     def forward(hidden_states, *args, **kwargs):
         store = None
         if (not args and not path.reference and lean_heads and hidden_states.shape[0] == 1
                 and hidden_states.shape[1] == 1 and kwargs.get("attention_mask") is None
                 and kwargs.keys() <= _DECODE_KWARGS and not any(kwargs.get(k) for k in _OUTPUTS)
-                and not torch.compiler.is_compiling()):
+                and not torch.compiler.is_compiling() and not hooked()):
             kv = kwargs.get("cache")
             kv = kwargs.get("past_key_values") if kv is None else kv
             position_embeddings = kwargs.get("position_embeddings")
