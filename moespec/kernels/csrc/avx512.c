@@ -139,6 +139,19 @@ static inline __attribute__((always_inline)) void q8_t1_512_g(const float* x, co
     }
 }
 
+/* The one-token q4 kernels' chunk lanes: lane i of a 128-column chunk's partial sums belongs to group
+ * (i / 4) * 32 / g of the chunk's first (0 for g >= 128: the chunk lies in one group). */
+static inline __attribute__((always_inline)) __m512i q4_group_lanes(i64 g) {
+    int32_t t[16];
+    for (int i = 0; i < 16; i++) t[i] = g >= 128 ? 0 : (i / 4) * 32 / (int)g;
+    return _mm512_loadu_si512(t);
+}
+
+/* A chunk's group scales sv[0..3] spread over its lanes (q4_group_lanes). */
+static inline __attribute__((always_inline)) __m512 q4_chunk_scales(const float* sv, __m512i sidx) {
+    return _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv)));
+}
+
 /* Two q4 rows' last columns [k, C) (C % 128 of them: blocks of 32, then 16) into acc0/acc1, at the
  * rows' group scales sv0/sv1: the tail both one-token q4 kernels share (x: the activations as
  * floats; the integer kernel passes its integers as floats, so the tail stays exact). */
@@ -186,12 +199,7 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
         const uint16_t* scales, const uint8_t* zeros, i64 C, const i64 g, float* y, i64 r0, i64 r1) {
     const i64 G = (C + g - 1) / g, rb = C / 2, NC = C / 128;
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i sidx;  /* lane i -> its group, relative to the chunk's first */
-    {
-        int32_t t[16];
-        for (int i = 0; i < 16; i++) t[i] = g >= 128 ? 0 : (i / 4) * 32 / (int)g;
-        sidx = _mm512_loadu_si512(t);
-    }
+    const __m512i sidx = q4_group_lanes(g);
     float xp[NC * 128 + 16] __attribute__((aligned(64)));
     for (i64 c = 0; c < NC; c++)
         for (int s = 0; s < 8; s++)
@@ -222,8 +230,8 @@ static inline __attribute__((always_inline)) void q4_t1_sf_g(const float* x, con
             SF_STEP(4, p0, p1); SF_STEP(5, q0, q1); SF_STEP(6, p0, p1); SF_STEP(7, q0, q1);
 #undef SF_STEP
             const i64 base = c * 128 / g;
-            const __m512 s0 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv0 + base)));
-            const __m512 s1 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv1 + base)));
+            const __m512 s0 = q4_chunk_scales(sv0 + base, sidx);
+            const __m512 s1 = q4_chunk_scales(sv1 + base, sidx);
             acc0 = _mm512_fmadd_ps(_mm512_add_ps(p0, q0), s0, acc0);
             acc1 = _mm512_fmadd_ps(_mm512_add_ps(p1, q1), s1, acc1);
         }
@@ -294,12 +302,7 @@ static inline __attribute__((always_inline)) int q4_t1_int_g(const float* x, con
     float xf[C + 16], dx[G + 4], xsi[G + 4];
     if (q4_quant_x(x, C, g, xd, xf, dx, xsi)) return 1;
     const __m512i m15 = _mm512_set1_epi8(15);
-    __m512i sidx;  /* lane i -> its group, relative to the chunk's first */
-    {
-        int32_t t[16];
-        for (int i = 0; i < 16; i++) t[i] = g >= 128 ? 0 : (i / 4) * 32 / (int)g;
-        sidx = _mm512_loadu_si512(t);
-    }
+    const __m512i sidx = q4_group_lanes(g);
     float sv0[G + 4], sv1[G + 4];
     const i64 ahead = pf_ahead(rb, 2);
     for (i64 r = r0; r < r1; r += 2) {
@@ -325,8 +328,8 @@ static inline __attribute__((always_inline)) int q4_t1_int_g(const float* x, con
             const __m512i i0 = _mm512_add_epi32(_mm512_slli_epi32(t0[0], 16), _mm512_add_epi32(_mm512_slli_epi32(t0[1], 8), t0[2]));
             const __m512i i1 = _mm512_add_epi32(_mm512_slli_epi32(t1[0], 16), _mm512_add_epi32(_mm512_slli_epi32(t1[1], 8), t1[2]));
             const i64 base = c * 128 / g;
-            const __m512 s0 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv0 + base)));
-            const __m512 s1 = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sv1 + base)));
+            const __m512 s0 = q4_chunk_scales(sv0 + base, sidx);
+            const __m512 s1 = q4_chunk_scales(sv1 + base, sidx);
             acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), s0, acc0);
             acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), s1, acc1);
         }
