@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from tiny import engine_steps
 
 from moespec.config import Predictor, RuntimeConfig
-from moespec.runtime.engine import Engine
 from moespec.runtime.layer.token_start import TOKEN_START, TokenStart
 from moespec.runtime.load import load_offloaded
 from moespec.runtime.stats import StatsRecorder
@@ -34,12 +34,7 @@ def _decode(path, token_start, n=10, slots=6):
     om = load_offloaded(path, RuntimeConfig(predictor=Predictor.ROUTER, cache_experts=slots), rec)
     try:
         om.use_policy(replace(om.policy, token_start=token_start))
-        engine, out = Engine(om), []
-        with torch.inference_mode():
-            last = engine.prefill([5, 17, 99, 3])
-            for _ in range(n):
-                out.append(int(torch.argmax(last)))
-                last = engine.forward([out[-1]], "decode")
+        _, out = engine_steps(om, [5, 17, 99, 3], n)  # a prefill and n greedy decode steps
         first = min(om.store.moe_layers)
         decode = [s for s in rec.steps if s.kind == "decode"]
         prefetched = sum(s.layers[first].prefetched + s.layers[first].prefetch_cancelled for s in decode)  # issued
