@@ -16,12 +16,14 @@
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
 # Each arm's JSON line goes to OUT with its name, round, hold id, the cgroup's peak and limit hits.
 # env: TOKENS (12), ACC_TOKENS (3), EMBED_SCALE (100: predictable routing), MMAP_ROWS (144MiB: 2K rows),
-# EXPERT_DTYPE (auto: the checkpoint's bf16; int8 / int4: the store's rows quantised, written once).
+# EXPERT_DTYPE (auto: the checkpoint's bf16; int8 / int4: the store's rows quantised, written once),
+# FLOOR_S (3: each decode arm runs the reader this many seconds in its own process just before its
+# prefill and just after its decode, the floor of that arm; 0: off).
 set -euo pipefail
 [ $# -eq 5 ] || { sed -n 2,9p "$0" >&2; exit 2; }
 MODEL=$1 CAP=$2 HOST=$3 OFFLOAD=$4 OUT=$5
 TOKENS=${TOKENS:-12} ACC_TOKENS=${ACC_TOKENS:-3} SCALE=${EMBED_SCALE:-100} MMAP_ROWS=${MMAP_ROWS:-144MiB}
-DTYPE=${EXPERT_DTYPE:-auto} ROUND=${ROUND:-1} ARMS=${ARMS:-reader router router-np none mmap accelerate}
+DTYPE=${EXPERT_DTYPE:-auto} ROUND=${ROUND:-1} FLOOR_S=${FLOOR_S:-3} ARMS=${ARMS:-reader router router-np none mmap accelerate}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH="$(dirname "$HERE")${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's moespec, not an install's
 ROOT=/sys/fs/cgroup/memory
@@ -43,7 +45,8 @@ trap 'exit 130' INT TERM
 echo "$CAP" > "$CG/memory.limit_in_bytes"
 
 arm_args() {  # the bench's arguments of arm $1
-  local common=(--host-memory "$HOST" --tokens "$TOKENS" --embed-scale "$SCALE" --expert-dtype "$DTYPE")
+  local common=(--host-memory "$HOST" --tokens "$TOKENS" --embed-scale "$SCALE" --expert-dtype "$DTYPE"
+                --floor-seconds "$FLOOR_S")
   case "${1%%#*}" in  # router#2: router again, its own row
     reader) echo reader "$MODEL" --inflight 8 --seconds 5 --expert-dtype "$DTYPE" ;;
     router) echo arm "$MODEL" --predictor router "${common[@]}" ;;

@@ -3,8 +3,9 @@
     python scripts/disk_hold_table.py hold.jsonl [--json]
 
 Per arm: TPOT ms, disk MB per decode token, decode read GB/s and its share of the reader's (the
-reader arm of the same hold: the store file read alone, 8 reads in flight), the disk floor (MB per
-token / the reader's GB/s) and TPOT over it, TPOT over on-demand's (none), the mmap baseline's and
+store file read alone, 8 reads in flight: in the arm's own process just before its prefill and
+just after its decode where it ran, ``arm --floor-seconds``, listed below the table; else the
+hold's reader arm), the disk floor (MB per token / the reader's GB/s) and TPOT over it, TPOT over on-demand's (none), the mmap baseline's and
 accelerate's TPOT over this arm's, and the cgroup's peak (RSS + page cache) against the cap.
 
 Below it, per predicting or on-demand arm, the disk floor at both ends of the hold (the first and
@@ -38,12 +39,21 @@ def rows_by_hold(path: Path) -> dict[str, dict[str, dict]]:
     return dict(out)
 
 
+def own_reader(row: dict) -> float | None:
+    """The mean GB/s of the reader run in the arm's own process just before its prefill and just
+    after its decode (disk_tier_bench.py arm --floor-seconds), or None when it did not run."""
+    runs = [row[k] for k in ("reader_gbps_before", "reader_gbps_after") if row.get(k)]
+    return round(sum(runs) / len(runs), 3) if runs else None
+
+
 def numbers(arms: dict[str, dict]) -> dict[str, dict]:
-    """arm -> the table's numbers (None where the hold lacks what a ratio needs)."""
-    reader = arms.get("reader", {}).get("gbps")
+    """arm -> the table's numbers (None where the hold lacks what a ratio needs). An arm's floor and
+    reader share use the reader of its own process (own_reader) where it ran, else the reader arm's."""
+    hold_reader = arms.get("reader", {}).get("gbps")
     none = arms.get("none", {}).get("tpot_ms")
     out = {}
     for name, row in arms.items():
+        reader = own_reader(row) or hold_reader
         tpot, mb = row.get("tpot_ms"), row.get("decode_disk_mb_per_token")
         gbps = row.get("decode_disk_gbps")
         floor = mb / reader if mb and reader else None  # MB / (GB/s) = ms
@@ -56,6 +66,7 @@ def numbers(arms: dict[str, dict]) -> dict[str, dict]:
             "mmap_x": round(arms["mmap"]["tpot_ms"] / tpot, 2) if tpot and "mmap" in arms and name != "mmap" else None,
             "accel_x": (round(arms["accelerate"]["tpot_ms"] / tpot, 1)
                         if tpot and arms.get("accelerate", {}).get("tpot_ms") and name != "accelerate" else None),
+            "own_reader": own_reader(row), "busy_share": row.get("decode_disk_busy_share"),
             "recall": row.get("recall"), "peak_mib": row["peak_mib"], "cap_mib": row["cap_mib"], "rc": row["rc"],
         }
     return out
@@ -106,6 +117,14 @@ def render(holds: dict[str, dict[str, dict]]) -> str:
                     n["x_none"], n["mmap_x"], n["accel_x"], n["peak_mib"]]
             flag = "" if n["rc"] == 0 else f"  rc {n['rc']}"
             lines.append(name.ljust(cols[0][1]) + " " + " ".join(_cell(v, w) for v, (_, w) in zip(vals, cols[1:])) + flag)
+        own = [f"{name} {arms[name].get('reader_gbps_before', '-')}/{arms[name].get('reader_gbps_after', '-')}"
+               for name, n in table.items() if n["own_reader"]]
+        if own:
+            text = "own reader GB/s (before/after): " + "; ".join(own)
+            while text:
+                cut = len(text) if len(text) <= 80 else text.rindex(" ", 0, 80)
+                lines.append(text[:cut])
+                text = text[cut:].lstrip()
         gaps = gap_numbers(arms)
         if gaps:
             gcols = [("arm", 10), ("flr0", 6), ("x0", 5), ("flr1", 6), ("x1", 5), ("gap", 6), ("idle", 6),

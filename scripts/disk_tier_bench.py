@@ -85,7 +85,8 @@ def structure_routing(om, scale: float) -> None:
 
 
 def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len: int, disk_reads: str,
-        embed_scale: float = 1.0, tune: dict | None = None, expert_dtype: str = "auto") -> None:
+        embed_scale: float = 1.0, tune: dict | None = None, expert_dtype: str = "auto",
+        floor_seconds: float = 0.0) -> None:
     from moespec.config import Predictor, RuntimeConfig, SamplingConfig, parse_bytes
     from moespec.runtime.disk_tier import disk_numbers
     from moespec.runtime.engine import Engine
@@ -121,6 +122,12 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
 
         om.use_policy(replace(om.runner.policy, ahead_recall=tune["ahead"]))
     prompt = random.Random(1).choices(range(om.config.vocab_size), k=prompt_len)
+    # The disk floor's divisor in the same process, just before the prefill and just after the
+    # decode (the model idle, 8 reads in flight, the same file): this virtual disk drifts 1.5x
+    # within minutes, so a reader arm minutes away misjudges an arm's floor by as much.
+    floor = {}
+    if floor_seconds > 0:
+        floor["reader_gbps_before"] = read_rate(store_file(folder, expert_dtype), 8, floor_seconds, 1)["gbps"]
     try:
         # Sampled with a fixed seed: the same tokens in every arm (exact mode), not greedy's repeats.
         out, mark = [], None
@@ -134,6 +141,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
         ahead = {"ahead_recall": om.runner.ahead.recall, "ahead_issued": getattr(om.runner.ahead, "issued", None)}
         gate = getattr(om.runner.prefetcher, "gate", None)
         gate = None if gate is None else [int(g["open"]) for g in gate.report().values()]
+        if floor_seconds > 0:
+            floor["reader_gbps_after"] = read_rate(store_file(folder, expert_dtype), 8, floor_seconds, 2)["gbps"]
     finally:
         om.close()
     wall_s, busy_s, nbytes = (b - a for a, b in zip(mark, end))
@@ -144,7 +153,7 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
                       "expert_dtype": expert_dtype, "load_s": round(load_s, 2),
                       "tpot_ms": round(summary.tpot_ms, 1), "ttft_ms": round(summary.ttft_ms, 1),
                       "recall": summary.recall, "tokens": out[:4], **(disk or {}),
-                      **decode, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
+                      **decode, **floor, "embed_scale": embed_scale, "tune": tune, "gate_open": gate,
                       "prefetch_wasted_per_token": round(summary_per_token(om, "prefetch_wasted"), 2),
                       "prefetched_per_token": round(summary_per_token(om, "prefetched"), 2),
                       # a prefetch never evicts what would hit: hits not from a prefetch vs on-demand's hits
@@ -254,15 +263,24 @@ def _slot_memory(nbytes: int):
     return raw
 
 
-def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "auto") -> None:
-    from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
-    from moespec.runtime.transfer.disk import DiskReadEngine
+def store_file(folder: Path, expert_dtype: str = "auto") -> Path:
+    """The store file the arms of ``expert_dtype`` read (rows-int8-g64..., rows-<layout>-bfloat16)."""
     from moespec.artifacts import model_key, sanitize_model_id
     from moespec.paths import moespec_home
 
     files = (moespec_home() / "experts" / sanitize_model_id(model_key(folder))).glob("rows-*.moerows")
-    quantised = expert_dtype.startswith("int")  # the store the arms of this dtype read (rows-int8-g64..., rows-<layout>-bfloat16)
+    quantised = expert_dtype.startswith("int")
     (path,) = [f for f in files if f.name.startswith(f"rows-{expert_dtype}-") or (not quantised and "-int" not in f.name)]
+    return path
+
+
+def read_rate(path: Path, inflight: int, seconds: float, seed: int = 0) -> dict:
+    """The disk tier's reader (DiskReadEngine, its chunks and checksums) reading random rows of the
+    store file ``path`` with ``inflight`` reads in flight and nothing else, for ``seconds``: GB/s
+    (the disk floor's divisor), bytes, seconds, whether O_DIRECT."""
+    from moespec.runtime.host.disk_store import DiskRow, DiskStore, round_up
+    from moespec.runtime.transfer.disk import DiskReadEngine
+
     with open(path, "rb") as fh:  # the file's own header: the bench reads whatever the loader wrote
         head = fh.read(24)
         meta = json.loads(fh.read(int.from_bytes(head[16:24], "little")))["meta"]
@@ -271,7 +289,7 @@ def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "aut
     rows = len(store.moe_layers) * store.num_experts
     stride = store.stride
     buf = torch.frombuffer(_slot_memory(inflight * stride), dtype=torch.uint8).view(inflight, stride)
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
     itemsize = torch.empty((), dtype=getattr(torch, store.header["dtype"].removeprefix("torch."))).element_size()
     nbytes = int(store.header["numel"]) * itemsize  # every layer's rows are whole here (no GGUF mix)
@@ -289,9 +307,13 @@ def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "aut
             n += tickets[s].nbytes
             tickets[s] = engine.submit(buf[s], row(), s)
     wall = time.perf_counter() - t0
-    engine.close()
-    print(json.dumps({"inflight": inflight, "gbps": round(n / wall / 1e9, 3), "o_direct": engine.direct,
-                      "bytes": n, "seconds": round(wall, 2)}))
+    engine.close()  # waits for the reads still in flight (not counted: past the window)
+    return {"inflight": inflight, "gbps": round(n / wall / 1e9, 3), "o_direct": engine.direct,
+            "bytes": n, "seconds": round(wall, 2)}
+
+
+def reader(folder: Path, inflight: int, seconds: float, expert_dtype: str = "auto") -> None:
+    print(json.dumps(read_rate(store_file(folder, expert_dtype), inflight, seconds)))
 
 
 def main() -> None:
@@ -318,6 +340,8 @@ def main() -> None:
     a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
     a.add_argument("--readers", type=int, help="the disk reader's threads (reads in flight; default 8)")
     a.add_argument("--ahead", type=float, help="read l+2's predicted rows at this lookahead recall (LayerPolicy.ahead_recall)")
+    a.add_argument("--floor-seconds", type=float, default=0.0,
+                   help="run the reader (8 in flight) this long before the prefill and after the decode")
     hp = sub.add_parser("accelerate-prep")
     hp.add_argument("folder", type=Path)
     hp.add_argument("--offload", type=Path, required=True)
@@ -338,7 +362,8 @@ def main() -> None:
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
              "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
-             "cut": not args.no_cut, "readers": args.readers, "ahead": args.ahead}, args.expert_dtype)
+             "cut": not args.no_cut, "readers": args.readers, "ahead": args.ahead}, args.expert_dtype,
+            args.floor_seconds)
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
     elif args.cmd == "accelerate":
