@@ -11,7 +11,8 @@
 # router (router prefetch), router-np / router-nc (the same without promoting kept prefetches /
 # without cutting started wrong ones), router-l2 (router + layer l+2's predicted rows read below every
 # other read, once the lookahead's recall >= AHEAD_RECALL, 0.5: runtime/layer/ahead.py), router-r32 / none-r32 (32 reader threads), none (on-demand
-# reads), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
+# reads), router-nv / none-nv (the rows' checksums not checked), router-t1 / none-t1 (decode on one
+# core: no spinning worker beside the readers), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
 # + accelerate's disk offload of the experts; its folder written once by
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
 # Each arm's JSON line goes to OUT with its name, round, hold id, the cgroup's peak and limit hits.
@@ -54,13 +55,17 @@ arm_args() {  # the bench's arguments of arm $1
     router-nc) echo arm "$MODEL" --predictor router --no-cut "${common[@]}" ;;
     router-l2) echo arm "$MODEL" --predictor router --ahead "${AHEAD_RECALL:-0.5}" "${common[@]}" ;;
     none) echo arm "$MODEL" --predictor none "${common[@]}" ;;
+    router-t1) echo arm "$MODEL" --predictor router --torch-threads 1 "${common[@]}" ;;
+    none-t1) echo arm "$MODEL" --predictor none --torch-threads 1 "${common[@]}" ;;
+    router-nv) echo arm "$MODEL" --predictor router --no-verify "${common[@]}" ;;
+    none-nv) echo arm "$MODEL" --predictor none --no-verify "${common[@]}" ;;
     router-r32) echo arm "$MODEL" --predictor router --readers 32 "${common[@]}" ;;
     none-r32) echo arm "$MODEL" --predictor none --readers 32 "${common[@]}" ;;
     reader-32) echo reader "$MODEL" --inflight 32 --seconds 5 --expert-dtype "$DTYPE" ;;
     mmap) echo arm "$MODEL" --predictor none --host-memory "$MMAP_ROWS" --disk-reads mmap --tokens "$TOKENS" \
             --embed-scale "$SCALE" --expert-dtype "$DTYPE" ;;
     accelerate) echo accelerate "$MODEL" --offload "$OFFLOAD" --tokens "$ACC_TOKENS" ;;
-    *) echo "error: unknown arm $1 (reader reader-32 router router-np router-nc router-l2 router-r32 none none-r32 mmap accelerate)" >&2; return 2 ;;
+    *) echo "error: unknown arm $1 (reader reader-32 router router-np router-nc router-l2 router-r32 router-nv router-t1 none none-r32 none-nv none-t1 mmap accelerate)" >&2; return 2 ;;
   esac
 }
 

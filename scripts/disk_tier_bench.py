@@ -109,6 +109,8 @@ def arm(folder: Path, predictor: str, host_memory: str, tokens: int, prompt_len:
     engine = om.cache.engine
     if tune.get("chunk_mib"):
         engine.chunk_bytes = int(tune["chunk_mib"] * 2**20)
+    if tune.get("no_verify"):  # the A/B of the rows' checksums (DiskReadEngine.verify)
+        engine.verify = False
     if tune.get("prefetch_beside") is not None:
         engine.prefetch_beside = tune["prefetch_beside"]
     if tune.get("switch_ms"):
@@ -236,14 +238,27 @@ def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) ->
     with torch.inference_mode():
         kv = DynamicCache(config=model.config)
         out = model(ids, past_key_values=kv, use_cache=True)
+        read0 = _read_bytes()
         for _ in range(tokens):
             nxt = out.logits[:, -1:].argmax(-1)
             t = time.perf_counter()
             out = model(nxt, past_key_values=kv, use_cache=True)
             times.append(time.perf_counter() - t)
+        read_mb = (_read_bytes() - read0) / 1e6 / tokens
     print(json.dumps({"predictor": "accelerate", "arm": "accelerate offload (dispatch_model, experts on disk)",
                       "load_s": round(load_s, 2), "tpot_ms": round(1e3 * sum(times) / len(times), 1),
+                      "decode_disk_mb_per_token": round(read_mb, 1),
+                      "decode_disk_gbps": round(read_mb * len(times) / 1e3 / sum(times), 3),
                       "tokens": tokens, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read from the block device so far (/proc/self/io read_bytes: page
+    cache misses and O_DIRECT reads, not page cache hits)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def _slot_memory(nbytes: int):
@@ -338,6 +353,7 @@ def main() -> None:
     a.add_argument("--torch-threads", type=int)
     a.add_argument("--no-kept-promote", action="store_true", help="PrefetchLedger.promote_kept off (the A/B)")
     a.add_argument("--no-cut", action="store_true", help="PrefetchLedger.cut_started off (the A/B)")
+    a.add_argument("--no-verify", action="store_true", help="DiskReadEngine.verify off (the checksums' A/B)")
     a.add_argument("--readers", type=int, help="the disk reader's threads (reads in flight; default 8)")
     a.add_argument("--ahead", type=float, help="read l+2's predicted rows at this lookahead recall (LayerPolicy.ahead_recall)")
     a.add_argument("--floor-seconds", type=float, default=0.0,
@@ -362,7 +378,8 @@ def main() -> None:
         arm(args.folder, args.predictor, args.host_memory, args.tokens, args.prompt_len, args.disk_reads, args.embed_scale,
             {"chunk_mib": args.chunk_mib, "prefetch_beside": args.prefetch_beside, "switch_ms": args.switch_ms,
              "torch_threads": args.torch_threads, "kept_promote": not args.no_kept_promote,
-             "cut": not args.no_cut, "readers": args.readers, "ahead": args.ahead}, args.expert_dtype,
+             "cut": not args.no_cut, "readers": args.readers, "ahead": args.ahead,
+             "no_verify": args.no_verify}, args.expert_dtype,
             args.floor_seconds)
     elif args.cmd == "accelerate-prep":
         accelerate_prep(args.folder, args.offload)
