@@ -9,11 +9,12 @@
 #
 # Arms: reader (the store file read alone, 8 reads in flight: the O_DIRECT GB/s of the disk floor),
 # router (router prefetch), router-np / router-nc (the same without promoting kept prefetches /
-# without cutting started wrong ones), router-l2 (router + layer l+2's predicted rows read below every
-# other read, once the lookahead's recall >= AHEAD_RECALL, 0.5: runtime/layer/ahead.py), router-r32 / none-r32 (32 reader threads), none (on-demand
-# reads), router-nv / none-nv (the rows' checksums not checked), router-t1 / none-t1 (decode on one
-# core: no spinning worker beside the readers), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate (transformers
-# + accelerate's disk offload of the experts; its folder written once by
+# without cutting started wrong ones), router-l2 (router + layer l+2's predicted rows read below
+# every other read, once the lookahead's recall >= AHEAD_RECALL, 0.5: runtime/layer/ahead.py),
+# router-r32 / none-r32 (32 reader threads), none (on-demand reads), router-nv / none-nv (the rows'
+# checksums not checked), router-t1 / none-t1 (decode on one core: no spinning worker beside the
+# readers), mmap (rows through the page cache, no prediction, as llama.cpp), accelerate
+# (transformers + accelerate's disk offload of the experts; its folder written once by
 # `disk_tier_bench.py accelerate-prep MODEL --offload OFFLOAD`, outside the cap).
 # Each arm's JSON line goes to OUT with its name, round, hold id, the cgroup's peak and limit hits.
 # env: TOKENS (12), ACC_TOKENS (3), EMBED_SCALE (100: predictable routing), MMAP_ROWS (144MiB: 2K rows),
