@@ -1,17 +1,28 @@
 """The compiled dense path: decode steps' dense segments through torch.compile, MoE dispatch eager.
 
-Shapes: H hidden, V vocabulary.
+Shapes: H hidden, V vocabulary, Hk key-value heads, D head dim, L cached positions.
 
 A decode step (one token) runs, per decoder layer, the input norm, the attention with its KV cache
-update, the residual add and the router-input norm as ONE compiled graph; the MoE block (router,
-host read, expert cache, shared expert: the layer runner, runtime/layer) stays eager behind
-``torch.compiler.disable``, the one graph break per layer the host dispatch needs. The final norm
-and lm_head are a second compiled graph. Prefills (more than one token) run eager: their length
+update and the residual add as ONE compiled graph; the router-input norm (it records r_l for the
+predictors) and the MoE block (router, host read, expert cache, shared expert: the layer runner,
+runtime/layer) stay eager, the one graph break per layer the host dispatch needs. The final norm
+and lm_head are two more compiled graphs. Prefills (more than one token) run eager: their length
 changes every call, and one prefill per turn does not pay for a compile per length.
+
+One graph for every layer: a lean decoder layer (runtime/decode_layer.py: Qwen2-MoE, Qwen3-MoE,
+Mixtral) runs ``decode_layer.lean_attention``, one function that takes the layer's modules and its
+KV tensors [1, Hk, L, D] as arguments (dynamo lifts the modules' weights to graph inputs and guards
+on shapes and values the layers share), with L marked dynamic from the first call. A start so
+traces three graphs (attention, final norm, lm_head) whatever the layer count; tracing each layer's
+segment on its own, at its first length and again when the length changed, traced 2 x 30 + 3 on
+the default model (README "Decode at the memory floor": +92 s on the first start, +55 s on later
+ones, now +19 s and +3 s). Other layers (OLMoE, GPT-OSS, DeepSeek) keep a compiled segment per
+layer, their KV length marked dynamic too.
 
 Inductor on CPU (C++ kernels; needs a C++ compiler), CUDA graphs on CUDA are not used yet (the
 graphs are split by the host dispatch). Compiled artefacts go to inductor's caches (FX graph and
-AOT caches, on disk under ``TORCHINDUCTOR_CACHE_DIR``), so a second start reuses them.
+AOT caches, on disk under ``TORCHINDUCTOR_CACHE_DIR``), so a second start skips code generation
+and C++ builds and pays only dynamo's tracing of the three graphs.
 
 Eager is the reference: ``--compile off`` runs the same model instance uncompiled, and the tests
 compare logits (within 1e-5 in float32) and greedy tokens over a multi-turn conversation.
@@ -223,8 +234,9 @@ def _one_line(err: BaseException) -> str:
 
 def resolve_compile(mode: str, device: torch.device) -> bool:
     """``--compile`` auto|on|off -> compile or not. auto: on for CUDA (launch overhead per op is
-    what the graphs remove); off on CPU, where the compiled path measured no faster than eager on
-    the default model (scripts/decode_floor.py, README) and a first start pays tens of seconds."""
+    what the graphs remove); off on CPU, where the compiled path decoded the default model slower
+    than eager (44.7 against 35.6 ms TPOT, scripts/decode_floor.py, README) and a start pays
+    +19 s on a fresh inductor cache, +3 s on a warm one (scripts/compile_start.py)."""
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
