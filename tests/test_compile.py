@@ -89,6 +89,28 @@ def test_compiled_equals_eager_every_family(tmp_path, family):
     assert _conversation(make_checkpoint(tmp_path / family, family, seed=5)) > 0
 
 
+def test_every_layer_shares_one_graph(tmp_path):
+    """Six lean decoder layers, KV lengths that grow, a crop and a re-prefill: three graphs in all
+    (every layer's attention, the final norm, lm_head), so a start traces three, not two per layer."""
+    from torch._dynamo.utils import counters
+
+    folder = make_checkpoint(tmp_path / "six", "qwen2_moe", seed=2, layers=6)
+    torch._dynamo.reset()
+    counters.clear()
+    om = _load(folder, "on")
+    try:
+        e = Engine(om)
+        for turn, prompt in enumerate((_ids(9, 4), _ids(9, 4)[:5] + _ids(6, 7))):
+            logits = e.prefill(prompt)
+            for _ in range(3 + turn):
+                logits = e.forward([int(torch.argmax(logits))], "decode")
+        assert len(om.decode.steps) == 6
+        assert counters["stats"]["unique_graphs"] == 3
+        assert om.compiled.calls == 7 * 8 + 2  # 6 layers, norm, lm_head a step; a prefill's lm_head row
+    finally:
+        om.close()
+
+
 def test_compile_failure_leaves_a_note_and_eager(tiny_models, monkeypatch):
     def broken(fn, **_):
         def run(*args, **kwargs):

@@ -22,6 +22,7 @@ True``, is the layers' own forwards; tests compare the logits bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,11 +46,13 @@ class DecodePath:
 
     Attributes:
         layers: the wrapped decoder layers.
+        steps: each wrapped layer's :class:`LeanStep` (runtime/compile.py compiles its attention).
         reference: True runs every layer's own forward.
         calls: lean layer steps so far (tests check the lean path ran).
     """
 
     layers: list[nn.Module] = field(default_factory=list)
+    steps: dict[nn.Module, LeanStep] = field(default_factory=dict)
     reference: bool = False
     calls: int = 0
     _undo: list[tuple[nn.Module, object]] = field(default_factory=list)
@@ -70,6 +73,7 @@ class DecodePath:
         """Put the layers' own forwards back."""
         restore_forwards(self._undo)
         self.layers.clear()
+        self.steps.clear()
         self._rope = (None, None, None)
 
 
@@ -103,57 +107,118 @@ def _lean_cache_layer(cache, idx: int):
     return layer if type(layer) is DynamicLayer and layer.is_initialized else None
 
 
+@dataclass(frozen=True)
+class LeanShape:
+    """The constants of one lean attention: query / key-value heads, head dim, SDPA scale, per-head
+    q/k norms. Layers of one model share one instance (:func:`_shape`): the compiled segment
+    (runtime/compile.py) guards on its values, the same for every layer."""
+
+    hq: int
+    hk: int
+    d: int
+    scale: float
+    qk_norm: bool
+
+
+@functools.cache
+def _shape(hq: int, hk: int, d: int, scale: float, qk_norm: bool) -> LeanShape:
+    return LeanShape(hq, hk, d, scale, qk_norm)
+
+
+@dataclass(frozen=True)
+class LeanStep:
+    """One layer's lean step, in parts (runtime/compile.py compiles ``attention`` once per shape).
+
+    Attributes:
+        shape: the attention's constants.
+        modules: (input norm, q_proj, k_proj, v_proj, q_norm, k_norm, o_proj); q/k norms None
+            without per-head norms.
+        post_norm, mlp: the router-input norm and the MoE block (or MLP), called eagerly.
+        store_for: (hidden_states, args, kwargs) -> (DynamicLayer, (cos, sin)) when this call can
+            take the lean step, else None (module docstring: anything else runs the own forward).
+    """
+
+    shape: LeanShape
+    modules: tuple
+    post_norm: nn.Module
+    mlp: nn.Module
+    store_for: object
+
+
+def lean_attention(shape: LeanShape, modules: tuple, hidden: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """A decode step's input norm, attention with its KV append and residual add (module docstring).
+
+    Args: hidden [1, 1, H]; keys, values [1, Hk, L, D] (the layer's cache so far); cos, sin'
+    [1, 1, 1, D] (``DecodePath.rope``). Returns (h [1, 1, H], keys, values [1, Hk, L + 1, D]): the
+    residual stream after attention and the caches with the new position appended (new tensors,
+    as DynamicLayer.update's torch.cat). Pure in its tensors: compiled once for every layer of a
+    shape (runtime/compile.py).
+    """
+    in_norm, q_proj, k_proj, v_proj, q_norm, k_norm, o_proj = modules
+    hq, hk, d = shape.hq, shape.hk, shape.d
+    x = in_norm.forward(hidden)  # [1, 1, H]
+    q = q_proj.forward(x)  # [1, 1, Hq * D]
+    k = k_proj.forward(x)
+    v = v_proj.forward(x).reshape(1, hk, 1, d)
+    if shape.qk_norm:
+        q = q_norm.forward(q.view(1, 1, hq, d))
+        k = k_norm.forward(k.view(1, 1, hk, d))
+    qk = torch.cat([q.reshape(1, hq, 1, d), k.reshape(1, hk, 1, d)], dim=1)  # [1, Hq + Hk, 1, D]
+    qk = qk * cos + qk.roll(d // 2, -1) * sin
+    keys = torch.cat([keys, qk[:, hq:]], dim=-2)  # [1, Hk, L + 1, D]
+    values = torch.cat([values, v], dim=-2)
+    gqa = {"enable_gqa": True} if hq != hk else {}
+    out = F.scaled_dot_product_attention(qk[:, :hq], keys, values, attn_mask=None, dropout_p=0.0,
+                                         scale=shape.scale, is_causal=False, **gqa)  # [1, Hq, 1, D]
+    return hidden + o_proj.forward(out.reshape(1, 1, hq * d)), keys, values
+
+
 def _forward(path: DecodePath, layer: nn.Module, own, qk_norm: bool):
     attn = layer.self_attn
-    idx, d, scale = attn.layer_idx, attn.head_dim, attn.scaling
+    idx, d = attn.layer_idx, attn.head_dim
     hq = attn.q_proj.out_features // d
     hk = attn.k_proj.out_features // d
-    gqa = {"enable_gqa": True} if hq != hk else {}
-    half = d // 2
+    shape = _shape(hq, hk, d, float(attn.scaling), qk_norm)
     # transformers' sdpa integration runs one query with enable_gqa only for D <= 256 (else pack_gqa)
     lean_heads = d <= 256 and d % 2 == 0
     in_norm, post_norm, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     q_norm, k_norm = (attn.q_norm, attn.k_norm) if qk_norm else (None, None)
+    modules = (in_norm, q_proj, k_proj, v_proj, q_norm, k_norm, o_proj)
     # the modules the lean step calls past nn.Module.__call__: one with a hook on it (a profiler's,
     # a test's Ctrl-C, a user's) sends the step to the layer's own forward, so every hook still runs
-    called = tuple(m for m in (in_norm, attn, q_proj, k_proj, v_proj, q_norm, k_norm, o_proj, post_norm, mlp)
-                   if m is not None)
+    called = tuple(m for m in (*modules, attn, post_norm, mlp) if m is not None)
 
     def hooked() -> bool:
         return bool(_global_forward_hooks or _global_forward_pre_hooks
                     or any(m._forward_hooks or m._forward_pre_hooks for m in called))
 
+    def store_for(hidden_states, args, kwargs):
+        if (args or path.reference or not lean_heads or hidden_states.shape[0] != 1
+                or hidden_states.shape[1] != 1 or kwargs.get("attention_mask") is not None
+                or not kwargs.keys() <= _DECODE_KWARGS or any(kwargs.get(k) for k in _OUTPUTS)
+                or torch.compiler.is_compiling() or hooked()):
+            return None
+        kv = kwargs.get("cache")
+        kv = kwargs.get("past_key_values") if kv is None else kv
+        position_embeddings = kwargs.get("position_embeddings")
+        if kv is None or position_embeddings is None:
+            return None
+        store = _lean_cache_layer(kv, idx)
+        return None if store is None else (store, position_embeddings)
+
     def forward(hidden_states, *args, **kwargs):
-        store = None
-        if (not args and not path.reference and lean_heads and hidden_states.shape[0] == 1
-                and hidden_states.shape[1] == 1 and kwargs.get("attention_mask") is None
-                and kwargs.keys() <= _DECODE_KWARGS and not any(kwargs.get(k) for k in _OUTPUTS)
-                and not torch.compiler.is_compiling() and not hooked()):
-            kv = kwargs.get("cache")
-            kv = kwargs.get("past_key_values") if kv is None else kv
-            position_embeddings = kwargs.get("position_embeddings")
-            if kv is not None and position_embeddings is not None:
-                store = _lean_cache_layer(kv, idx)
-        if store is None:
+        found = store_for(hidden_states, args, kwargs)
+        if found is None:
             return own(hidden_states, *args, **kwargs)
+        store, position_embeddings = found
         path.calls += 1
-        x = in_norm.forward(hidden_states)  # [1, 1, H]
-        q = q_proj.forward(x)  # [1, 1, Hq * D]
-        k = k_proj.forward(x)
-        v = v_proj.forward(x).reshape(1, hk, 1, d)
-        if qk_norm:
-            q = q_norm.forward(q.view(1, 1, hq, d))
-            k = k_norm.forward(k.view(1, 1, hk, d))
-        qk = torch.cat([q.reshape(1, hq, 1, d), k.reshape(1, hk, 1, d)], dim=1)  # [1, Hq + Hk, 1, D]
         cos, sin = path.rope(*position_embeddings)
-        qk = qk * cos + qk.roll(half, -1) * sin
-        store.keys = torch.cat([store.keys, qk[:, hq:]], dim=-2)  # [1, Hk, L, D]
-        store.values = torch.cat([store.values, v], dim=-2)
-        out = F.scaled_dot_product_attention(qk[:, :hq], store.keys, store.values, attn_mask=None,
-                                             dropout_p=0.0, scale=scale, is_causal=False, **gqa)  # [1, Hq, 1, D]
-        h = hidden_states + o_proj.forward(out.reshape(1, 1, hq * d))  # [1, 1, H]
+        h, store.keys, store.values = lean_attention(shape, modules, hidden_states, store.keys,
+                                                     store.values, cos, sin)
         out = mlp.forward(post_norm.forward(h))
         return h + (out[0] if isinstance(out, tuple) else out)
 
+    path.steps[layer] = LeanStep(shape, modules, post_norm, mlp, store_for)
     return forward
