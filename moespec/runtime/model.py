@@ -80,6 +80,7 @@ class OffloadedModel:
         norms: the native RMSNorms, which also record r_l (runtime/norm_call.py), or None.
         decode: the decoder layers' lean decode steps (runtime/decode_layer.py), or None.
         step: the one-token forward of the whole model (runtime/decode_model.py), or None.
+        routers: the softmax routers' native selection (runtime/router_call.py), or None.
     """
 
     model: nn.Module
@@ -100,6 +101,7 @@ class OffloadedModel:
     norms: object | None = None  # runtime.norm_call.NormPath
     decode: object | None = None  # runtime.decode_layer.DecodePath
     step: object | None = None  # runtime.decode_model.ModelStep
+    routers: object | None = None  # runtime.router_call.RouterPath
 
     def __post_init__(self) -> None:
         if self.threads is None:
