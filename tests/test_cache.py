@@ -138,3 +138,45 @@ def test_decode_fast_path_equals_general_path(dtype, wdtype):
         _, raw_slow, y_slow = weighted_contribution(x, routing, e, row, layout, act)
         assert torch.equal(raw, raw_slow) and torch.equal(y, y_slow)
         assert y.dtype == torch.promote_types(dtype, wdtype)
+
+
+def _state(cache: ExpertCache):
+    """Everything acquire touches: slot records, the indexes and the rule's scores."""
+    recs = [(r.key, r.state, r.pins, r.ticket is None) for r in cache._slot]
+    return (recs, list(cache._lru), sorted(cache._protected), sorted(cache._spare), sorted(cache._held),
+            list(cache._visit), dict(getattr(cache.rule, "value", {})))
+
+
+def test_acquire_hits_equals_one_acquire_each():
+    """The batch pin of a resident layer (acquire_hits) against acquire per key, on two caches with the
+    same history: hits, a prefetched expert not used yet (PREDICTED), an unused prediction (UNUSED),
+    one protected by a prefetch pin; under LFRU, whose scores depend on every use."""
+    from moespec.runtime.cache.eviction import LfruRule
+
+    def history():
+        cache = ExpertCache(_NullStore(2), 6, torch.device("cpu"), NullEngine(), rule=lambda: LfruRule({}, 4, 2))
+        for e in (0, 1, 2):
+            cache.release(cache.acquire((0, e)).slot)
+        cache.prefetch((1, 4))  # a prefetch copy: PREDICTED, held
+        slot, _ = cache.prefetch((1, 5))
+        cache.mark_unused(slot)
+        cache.release(slot)  # UNUSED, spare
+        cache.prefetch((0, 1))  # a resident one: protected
+        cache.begin_visit(1)
+        return cache
+
+    a, b = history(), history()
+    got = a.acquire_hits(1, [4, 5])
+    want = [b.acquire((1, e)) for e in (4, 5)]
+    assert got == ([w.slot for w in want], sum(w.prefetched for w in want)) and got[1] == 1
+    assert _state(a) == _state(b)
+    a.begin_visit(0)
+    b.begin_visit(0)
+    got = a.acquire_hits(0, [0, 1, 2])
+    want = [b.acquire((0, e)) for e in (0, 1, 2)]
+    assert got == ([w.slot for w in want], 0)
+    assert _state(a) == _state(b)
+    for c in (a, b):
+        for s in got[0]:
+            c.release(s)
+    assert _state(a) == _state(b)

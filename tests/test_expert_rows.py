@@ -121,8 +121,9 @@ def _decode_run(folder, cfg: RuntimeConfig, batch: bool, ids: torch.Tensor):
 def test_batched_decode_layers_equal_the_stream(tiny_models, family, slots, predictor, execute, monkeypatch):
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
     cfg = RuntimeConfig(cache_experts=slots, predictor=predictor, execute=execute, link_gbps=None)
-    calls, many = [], ExpertLayout.forward_many
+    calls, many, stacked = [], ExpertLayout.forward_many, ExpertLayout.forward_stacked
     monkeypatch.setattr(ExpertLayout, "forward_many", lambda self, *a: calls.append(1) or many(self, *a))
+    monkeypatch.setattr(ExpertLayout, "forward_stacked", lambda self, *a: calls.append(1) or stacked(self, *a))
     got, got_counts = _decode_run(tiny_models[family], cfg, True, ids)
     batched, calls[:] = len(calls), []
     want, want_counts = _decode_run(tiny_models[family], cfg, False, ids)

@@ -10,7 +10,7 @@ import torch
 
 from moespec.models.base import ExpertLayout, Routing
 from moespec.runtime.layer.experts import (TopkSum, decode_contribution, gated, group_by_expert, reference_moe,
-                                     reference_moe_eager, sum_one_token)
+                                     reference_moe_eager, sum_one_token, sum_stacked)
 
 H, I, E = 16, 8, 6
 
@@ -75,3 +75,18 @@ def test_reference_equals_transformers_default_experts(tokens, wdtype):
     assert torch.equal(got, want)
     assert torch.equal(reference_moe_eager(x, routing, rows, layout, experts.act_fn), eager)
     assert not torch.equal(want, eager)  # the two sums really differ here
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])
+def test_stacked_sum_equals_the_one_token_sum_bit_for_bit(dtype, wdtype):
+    """sum_stacked over one [K, 1, H] buffer (the batched decode layer's) against sum_one_token over
+    the K views of it (the stream's raws): the same values."""
+    layout, rows, x, routing = _case(1, 4, dtype, wdtype, seed=3)
+    act = torch.nn.functional.silu
+    raws = [layout.forward(x, rows[e], act) for e in routing.ids[0].tolist()]  # top-k order, [1, H] each
+    stacked = torch.stack(raws)  # [K, 1, H]
+    got = sum_stacked(stacked, routing.weights, x)
+    assert got.dtype == dtype and got.shape == (1, H)
+    assert torch.equal(got, sum_one_token(raws, routing.weights, x))
+    assert not torch.equal(got, sum_stacked(stacked.flip(0), routing.weights, x))  # the order is the top-k's

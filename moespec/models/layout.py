@@ -158,11 +158,16 @@ class ExpertLayout:
         them (moespec.kernels.swiglu.swiglu_experts, equal bit for bit); anything else (a GPU slot, a
         family's own forward, no native kernels) runs :meth:`forward` per row, which is the reference.
         """
-        if rows and type(self).forward is ExpertLayout.forward:
-            xr = x if x.device == slots.device else x.to(slots.device)
-            y = swiglu_experts(xr, slots, rows, self, act)  # [n, t, H]
-            if y is not None:
-                y = y if y.device == x.device else y.to(x.device)
-                return list(y.unbind(0))
-        return [self.forward(x, slots[r], act) for r in rows]
+        y = self.forward_stacked(x, slots, rows, act)
+        return list(y.unbind(0)) if y is not None else [self.forward(x, slots[r], act) for r in rows]
+
+    def forward_stacked(self, x: torch.Tensor, slots: torch.Tensor, rows: list[int], act) -> torch.Tensor | None:
+        """:meth:`forward_many`'s outputs as one tensor [n, t, H] (the one native call's own buffer, no
+        copy: a decode layer sums its experts from it, experts.sum_stacked), or None where that call
+        does not apply (then :meth:`forward_many` runs :meth:`forward` per row, its reference)."""
+        if not rows or type(self).forward is not ExpertLayout.forward:
+            return None
+        xr = x if x.device == slots.device else x.to(slots.device)
+        y = swiglu_experts(xr, slots, rows, self, act)  # [n, t, H]
+        return y if y is None or y.device == x.device else y.to(x.device)
 

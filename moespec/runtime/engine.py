@@ -127,11 +127,14 @@ class Engine:
         om.recorder.begin_step(kind, len(new_ids))
         inp = torch.tensor([new_ids], dtype=torch.long, device=om.device)  # [1, T]
         try:
-            om.token_started(inp)  # a decode step's first MoE layer is prefetched from here (token_start.py)
+            embedded = om.token_started(inp)  # a decode step's first MoE layer is prefetched from here (token_start.py)
             with om.threads.step(len(new_ids)):  # who runs where (runtime/threads.py)
-                out = om.model(input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
-                               **{self._cache_kw: self._kv})
-            logits = out.logits[0].float() if all_logits else out.logits[0, -1].float()  # [T, V] or [V]
+                # one token: the lean whole-model step (runtime/decode_model.py), else transformers' forward
+                lean = None if all_logits else om.one_token_logits(inp, self._kv, self._cache_kw, embedded)
+                out = lean if lean is not None else om.model(
+                    input_ids=inp, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                    **{self._cache_kw: self._kv}).logits
+            logits = out[0].float() if all_logits else out[0, -1].float()  # [T, V] or [V]
         except BaseException:
             self.abort()
             raise

@@ -31,6 +31,8 @@ from moespec.runtime.host.disk_store import DiskStore, round_up
 from moespec.runtime.host.heap_trim import release_free_heap
 from moespec.runtime.compile import apply_compile
 from moespec.runtime.decode_layer import install_decode_layers
+from moespec.runtime.decode_model import install_model_step
+from moespec.runtime.router_call import install_routers
 from moespec.runtime.dense import install_dense, resolve_dense_dtype
 from moespec.runtime.norm_call import install_norms
 from moespec.runtime.host.memory import check_host_memory
@@ -273,7 +275,9 @@ def load_offloaded(path: str | Path, cfg: RuntimeConfig, recorder: StatsRecorder
         om.dense = install_dense(model, cfg.dense_dtype, dtype, device)  # before compile: it wraps lm_head
         release_free_heap()  # the float weights it fused or moved onto 2 MB pages
         om.norms = norms
+        om.routers = install_routers(model)  # one native call after each router's product (router_call.py)
         om.decode = install_decode_layers(model)  # lean decode steps (runtime/decode_layer.py)
+        om.step = install_model_step(model)  # the one-token forward around them (runtime/decode_model.py)
         om.use_policy(LayerPolicy.from_config(cfg, predictor))
         om.compiled = apply_compile(om, cfg.compile)
     except BaseException:

@@ -79,6 +79,8 @@ class OffloadedModel:
         dense: the dense linears' decode path and stored weights (runtime/dense.py), or None.
         norms: the native RMSNorms, which also record r_l (runtime/norm_call.py), or None.
         decode: the decoder layers' lean decode steps (runtime/decode_layer.py), or None.
+        step: the one-token forward of the whole model (runtime/decode_model.py), or None.
+        routers: the softmax routers' native selection (runtime/router_call.py), or None.
     """
 
     model: nn.Module
@@ -98,6 +100,8 @@ class OffloadedModel:
     dense: object | None = None  # runtime.dense.DensePath
     norms: object | None = None  # runtime.norm_call.NormPath
     decode: object | None = None  # runtime.decode_layer.DecodePath
+    step: object | None = None  # runtime.decode_model.ModelStep
+    routers: object | None = None  # runtime.router_call.RouterPath
 
     def __post_init__(self) -> None:
         if self.threads is None:
@@ -177,10 +181,21 @@ class OffloadedModel:
         ``prefill``: the next forward is a prefill (exact in every mode, even a one-token one)."""
         self.runner.reset_step(prefill)
 
-    def token_started(self, input_ids: torch.Tensor) -> None:
+    def token_started(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A forward of ``input_ids`` [1, T] starts (after ``reset_step`` and the recorder's
-        ``begin_step``): the runner predicts a decode step's first MoE layer from the embedding rows."""
-        self.runner.token_started(self.model.get_input_embeddings()(input_ids).reshape(input_ids.shape[-1], -1))
+        ``begin_step``): the runner predicts a decode step's first MoE layer from the embedding rows.
+        Returns those rows [T, H] (a one-token forward starts from them: decode_model.py)."""
+        embedded = self.model.get_input_embeddings()(input_ids).reshape(input_ids.shape[-1], -1)  # [T, H]
+        self.runner.token_started(embedded)
+        return embedded
+
+    def one_token_logits(self, input_ids: torch.Tensor, cache, cache_kw: str,
+                         embedded: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [1, 1, V] of the one token ``input_ids`` [1, 1] through the lean whole-model step
+        (runtime/decode_model.py), or None where it does not apply (then run ``model(...)``)."""
+        if self.step is None or self.compiled is not None:
+            return None
+        return self.step.logits(input_ids, cache, cache_kw, embedded)
 
     def abort(self) -> None:
         """After a forward that raised: cancel queued copies, drop every pin and the forward's state."""

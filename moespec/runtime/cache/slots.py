@@ -329,6 +329,38 @@ class ExpertCache(PrefetchEnds, AheadSlots):
         self._visit.append(slot)
         return Acquired(slot, hit=False, prefetched=False)
 
+    def acquire_hits(self, layer: int, experts: list[int]) -> tuple[list[int], int]:
+        """:meth:`acquire` of ``(layer, e)`` for each of ``experts``, all resident (callers check):
+        (their slots in order, how many of them held a prefetch not used yet). The same pins, eviction
+        order, rule uses and visit as one :meth:`acquire` each, in one loop without a record per key
+        (a resident decode layer's batch pin: stream.acquire_resident; tests/test_cache.py compares).
+
+        Raises:
+            KeyError: an expert is not resident (nothing after it is acquired).
+        """
+        where, records, lru, used = self._where, self._slot, self._lru, self.rule.used
+        protected, spare, held, visit = self._protected, self._spare, self._held, self._visit
+        slots, prefetched = [], 0
+        for e in experts:
+            key = (layer, e)
+            slot = where[key]
+            rec = records[slot]
+            rec.pins += 1  # _pin
+            lru.pop(slot, None)
+            protected.discard(slot)
+            spare.discard(slot)
+            used(key)
+            state = rec.state
+            if state is PREDICTED:
+                prefetched += 1
+                rec.state = CACHED
+            elif state is UNUSED:
+                rec.state = CACHED
+            held.discard(slot)
+            visit.append(slot)
+            slots.append(slot)
+        return slots, prefetched
+
     def begin_visit(self, layer: int) -> None:
         """A layer starts acquiring its experts (stream.py calls it first): the eviction rule's clock
         moves on, and the slots it acquires from now on are the running layer's (``prefetch``)."""

@@ -83,19 +83,17 @@ def acquire_resident(cache: ExpertCache, layer: int, experts: list[int], stats: 
     if not all(landed((layer, e)) for e in experts):
         return None
     cache.begin_visit(layer)
-    slots = []
-    for e in experts:
-        got = cache.acquire((layer, e))  # a hit: never None
-        slots.append(got.slot)
-        stats.hits += 1
-        stats.prefetch_used += got.prefetched
+    slots, prefetched = cache.acquire_hits(layer, experts)  # one acquire each, in one loop
+    stats.hits += len(slots)
+    stats.prefetch_used += prefetched
     for slot in kept or ():  # now pinned by acquire as well
         cache.release(slot)
     cache.rule.commit()
     if queued is not None:
         queued()
     for slot in slots:
-        recorder.span(stats, "stall_ms", cache.wait(slot))  # landed: no stall, the ticket is dropped
+        if cache.ticket(slot) is not None:  # landed: no stall, the ticket is dropped
+            recorder.span(stats, "stall_ms", cache.wait(slot))
     return slots
 
 

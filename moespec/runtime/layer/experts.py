@@ -133,6 +133,18 @@ def sum_one_token(raws: list[torch.Tensor], weights: torch.Tensor, x: torch.Tens
     return (torch.stack(raws, dim=1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # [1, K, H] -> [1, H]
 
 
+def sum_stacked(y: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """:func:`sum_one_token` from the raw outputs already in one tensor y [K, 1, H] (top-k order: the
+    one native call's buffer, ExpertLayout.forward_stacked): [1, H] in x's dtype.
+
+    y [K, 1, H] contiguous is the [1, K, H] that sum_one_token stacks, in the same memory: the same
+    multiply and reduction on the same values, so equal bit for bit (tests/test_topk_sum.py), without
+    the K views, the stack and its copy.
+    """
+    k = y.shape[0]
+    return (y.reshape(1, k, y.shape[-1]) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)  # [1, K, H] -> [1, H]
+
+
 def weighted_contribution(x: torch.Tensor, routing: Routing, expert: int, row: torch.Tensor,
                           layout: ExpertLayout, act) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slow reference: (token_idx [t], raw output [t, H], weighted output [t, H]) of one expert.

@@ -36,7 +36,7 @@ from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
 from moespec.runtime.cache.stream import acquire_resident, release_slots, stream
 from moespec.runtime.layer.ahead import AheadPrefetch, NoAhead
-from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token
+from moespec.runtime.layer.experts import TopkSum, gated, group_by_expert, sum_one_token, sum_stacked
 from moespec.runtime.layer.gate import PredictionGate, link_ms_per_copy
 from moespec.runtime.layer.guard import guard_signals, plan_guard, signals_length, substituted_routing
 from moespec.runtime.layer.observer import Observer
@@ -185,8 +185,12 @@ class MoeLayerRunner:
                 self.prefetcher.prefetch(layer, prediction, self.recorder)
                 if far_best:
                     self.ahead.issue(layer, far_best, self.recorder)
-        self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued,  # plan misses, stream
-                     batch=self.policy.batch_experts)
+        # with nobody watching expert outputs, a batched layer hands back its one buffer in top-k order
+        order = ids if type(observer).expert_output is Observer.expert_output else None
+        stacked = self._stream(block, sorted(k_of), stats, lambda e: x, put, _one, queued,  # plan misses, stream
+                               batch=self.policy.batch_experts, order=order)
+        if stacked is not None:  # the same sum over the same [1, K, H] values (experts.sum_stacked)
+            return sum_stacked(stacked, routing.weights, x)
         return sum_one_token(raws, routing.weights, x)  # combine: [1, K, H] * [1, K, 1] summed over K
 
     def _route(self, block, x: torch.Tensor, stats: LayerStats) -> tuple[Routing, list[int] | None]:
@@ -271,7 +275,7 @@ class MoeLayerRunner:
 
     # --- plan misses, stream, collect ----------------------------------------------------------
     def _stream(self, block, experts: list[int], stats: LayerStats, inputs, put, tokens, queued,
-                batch: bool = False) -> None:
+                batch: bool = False, order: list[int] | None = None) -> torch.Tensor | None:
         """Compute ``experts`` (ascending ids) of ``block``'s layer: ``put(e, raw [t, H])`` for each.
 
         The ledger settles the layer's prefetch pins; misses the miss handler sends to the host start
@@ -280,6 +284,10 @@ class MoeLayerRunner:
         layer's demand copies are queued). ``batch`` (a decode step: every expert has the same
         tokens): when the device's experts are all resident and landed, they run in one call
         (:meth:`_batched`); else, and always for a prefill, one at a time (the reference).
+
+        ``order`` (a decode step, ``experts`` in top-k order, nobody watching expert outputs): when the
+        layer batches with no host job, its raw outputs come back as one tensor [K, 1, H] in that order
+        and ``put`` is not called; otherwise (and always without ``order``) returns None.
         """
         layer, act, cache, rec, misses = block.layer, block.act_fn, self.cache, self.recorder, self.misses
         wasted = stats.prefetch_wasted
@@ -290,8 +298,11 @@ class MoeLayerRunner:
         timing = rec.enabled or timed
         used = stats.prefetch_used
         slots = acquire_resident(cache, layer, device, stats, rec, kept, queued) if batch and device else None
+        stacked = None
         if slots is not None:
-            self._batched(device, slots, layout, inputs(device[0]), act, stats, put, timing)
+            whole = order is not None and not jobs and len(order) == len(device)
+            stacked = self._batched(device, slots, layout, inputs(device[0]), act, stats, put, timing,
+                                    order if whole else None)
         for e, slot in stream(cache, layer, device, stats, rec, kept, queued) if slots is None else ():
             t0 = engine.mark() if timing else None
             put(e, layout.forward(inputs(e), cache.row(slot), act))  # [t, H] from the slot
@@ -304,18 +315,27 @@ class MoeLayerRunner:
             misses.observe_used(stats.prefetch_used - used)
             self.prefetcher.observed(layer, stats.prefetch_used - used, stats.prefetch_wasted - wasted)
         misses.collect(jobs, put, rec, stats)
+        return stacked
 
     def _batched(self, experts: list[int], slots: list[int], layout, x: torch.Tensor, act, stats: LayerStats,
-                 put, timing: bool) -> None:
+                 put, timing: bool, order: list[int] | None = None) -> torch.Tensor | None:
         """One decode layer's resident ``experts`` (pinned in ``slots``, acquire_resident) for x [1, H]
         in one call (ExpertLayout.forward_many), then ``put(e, raw [1, H])`` for each; releases the slots.
+        With ``order`` (``experts`` again, in top-k order): the raw outputs as one tensor [K, 1, H] in
+        that order (ExpertLayout.forward_stacked, the same values), no ``put``; forward_many where
+        that call does not apply. Returns that tensor, or None when ``put`` got the outputs.
 
         Timed as one span; the miss planner (``times_device``) hears each expert as an equal share of it.
         """
         cache, engine, misses = self.cache, self.cache.engine, self.misses
         t0 = engine.mark() if timing else None
+        stacked = raws = None
         try:
-            raws = layout.forward_many(x, cache.slots, slots, act)  # n x [1, H]
+            if order is not None:
+                at = dict(zip(experts, slots))
+                stacked = layout.forward_stacked(x, cache.slots, [at[e] for e in order], act)  # [K, 1, H]
+            if stacked is None:
+                raws = layout.forward_many(x, cache.slots, slots, act)  # n x [1, H]
         finally:
             release_slots(cache, slots)
         if timing:
@@ -325,8 +345,11 @@ class MoeLayerRunner:
                 step = (t1 - t0) / len(experts)
                 for j in range(len(experts)):
                     misses.observe_device(1, Span(t0 + j * step, t0 + (j + 1) * step))
+        if stacked is not None:
+            return stacked
         for e, raw in zip(experts, raws):
             put(e, raw)
+        return None
 
 
 def _with_modes(fn):
