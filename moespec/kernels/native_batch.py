@@ -147,11 +147,15 @@ class NativeExpertBatch:
             except BaseException as exc:
                 self.future.set_exception(exc)
 
-    def result(self) -> _Outputs:
-        """Wait for the batch (re-raises what a thread raised). Host outputs: first spin (in C, the
-        GIL released, at most SPIN_NS) on the finished count and resolve here, so a waiting caller
-        needs no wake-up; then, or for outputs a worker must copy (``store``), the future."""
-        if not self.future.done() and self._store is None and self._args is not None:
+    def result(self, spin: bool = False) -> _Outputs:
+        """Wait for the batch (re-raises what a thread raised).
+
+        ``spin`` (a caller that ran the batch itself, so at most the experts other threads hold
+        are left) with host outputs: first spin in C (the GIL released, at most SPIN_NS) on the
+        finished count and resolve here, with no wake-up; else, or for outputs a worker must copy
+        (``store``), sleep on the future. A caller that only waits sleeps: spinning for a whole
+        batch measured no faster (one worker, int8 0.301 against 0.285 ms an expert)."""
+        if spin and not self.future.done() and self._store is None and self._args is not None:
             if native.library().host_experts_wait(self._state, self.num_units, SPIN_NS):
                 self._resolve()
         return self.future.result()

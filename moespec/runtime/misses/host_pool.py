@@ -24,6 +24,7 @@ out over every core beside the compute thread (docs/decisions.md, 2026-11-30 "On
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -216,7 +217,9 @@ class HostExpertPool:
         for _ in range(min(self.threads, batch.num_units)):
             self._pool.submit(batch.run)
         helper = batch if self.caller_helps else None
-        wait = batch.result if isinstance(batch, NativeExpertBatch) else None
+        wait = None
+        if isinstance(batch, NativeExpertBatch):  # a helping caller spins for the last experts
+            wait = functools.partial(batch.result, spin=True) if helper is not None else batch.result
         return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), batch.future, i,
                         x.shape[0], helper, wait)
                 for i, (e, x) in enumerate(items)]
