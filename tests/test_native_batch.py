@@ -140,3 +140,28 @@ def test_threads_that_arrive_after_every_expert_was_claimed_return_at_once():
     batch.run()  # late: nothing to claim, the result is unchanged
     assert batch.result() is first and len(first) == 2
     assert torch.equal(first[1].y, store.layout.forward(x, store.expert(0, 1), ACT))
+
+
+def test_tokens_loaded_and_outputs_stored_by_the_threads_as_on_cuda():
+    """The CUDA shape of a batch (tokens to bring to the host, outputs to copy back): the first
+    thread loads every expert's tokens, the one that finishes the last expert stores the outputs
+    once; a caller waiting on such a batch sleeps on the future (no spin: a worker must copy)."""
+    store, _ = _store("int8")
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(t, H, generator=gen) for t in (1, 4, 2)]
+    plan = native_plan(store.layout, torch.uint8, xs, ACT)
+    loads, stores = [], []
+    batch = NativeExpertBatch(store.layout, plan, xs, [store.expert(0, e).data_ptr() for e in range(3)],
+                              load=lambda x: loads.append(1) or x.clone(),
+                              store=lambda y: stores.append(y.shape) or y.clone())
+    assert not loads  # nothing loaded before a thread runs the batch
+    pool = HostExpertPool(store, torch.device("cpu"), 2)
+    try:
+        for _ in range(2):
+            pool._pool.submit(batch.run)
+        out = batch.result(spin=True)
+    finally:
+        pool.close()
+    assert len(loads) == 3 and stores == [(7, H)]
+    for e, x in enumerate(xs):
+        assert torch.equal(out[e].y, store.layout.forward(x, store.expert(0, e), ACT))
