@@ -106,7 +106,8 @@ def time_pool(store: ExpertStore, dtype: torch.dtype, tokens: int, threads: int,
     ``path``: "kernels" (the host pool), "reference" (dequantise, then F.linear, on the calling
     thread) or "direct" (the pool's own per-expert forward, called on the calling thread: the pool's
     overhead is kernels - direct at one thread), "waits" (the host pool, the caller only waiting:
-    HostExpertPool(caller_helps=False))."""
+    HostExpertPool(caller_helps=False)), "python" (the host pool with its Python batch units,
+    moespec.kernels.expert_batch, instead of the native batch: what the native batch saves)."""
     reference = path == "reference"
     act = torch.nn.functional.silu
     n = store.num_experts
@@ -142,6 +143,8 @@ def time_pool(store: ExpertStore, dtype: torch.dtype, tokens: int, threads: int,
         helps = path != "waits" and threads > 1
         pool = HostExpertPool(store, torch.device("cpu"), threads - 1 if helps else threads, split,
                               caller_helps=helps)
+        if path == "python":
+            pool._native_batch = lambda *args: None  # every batch an ExpertBatch
 
         def one_pass() -> None:
             for batch in batches:
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", action="store_true", help="also time the slow reference at one thread")
     ap.add_argument("--direct", action="store_true",
                     help="also time the experts' forward on the calling thread, no pool (its overhead)")
+    ap.add_argument("--python-batch", action="store_true",
+                    help="also time the pool with Python batch units instead of the native batch")
     ap.add_argument("--waits", action="store_true",
                     help="also time the pool with a caller that only waits (caller_helps=False)")
     ap.add_argument("--isa", default="", help="kernel instruction sets to compare (comma list of avx2, avx512; "
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             arms = [(threads, "kernels", isa) for threads in _ints(args.threads) for isa in isas]
             if args.waits:
                 arms = [(t, p, i) for t, _, i in arms for p in ("waits", "kernels")]
+            if args.python_batch:
+                arms = [(t, p, i) for t, q, i in arms for p in (("python", q) if q == "kernels" else (q,))]
             if args.direct:
                 arms.insert(0, (1, "direct", isas[0]))
             if args.reference and fmt not in ("w8a8", "w4a8"):
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                         if before is not None:
                             native.set_isa(before)
                     gbs = row_bytes / ms / 1e6
-                    name = fmt + {"reference": " ref", "direct": " dir", "waits": " wait", "kernels": ""}[path]
+                    name = fmt + {"reference": " ref", "direct": " dir", "waits": " wait", "python": " py", "kernels": ""}[path]
                     print(f"{shape:7} {name:9} {isa:6} {tokens:3d} {threads:3d} {ms:9.3f} {gbs:8.1f} {mem:8.1f} "
                           f"{gbs / mem:5.0%}", flush=True)
                     rows.append({"shape": shape, "hidden": hidden, "intermediate": inter, "format": fmt,

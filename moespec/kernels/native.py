@@ -55,6 +55,9 @@ _SIGNATURES = {
                                      _I, _I, _I, _P]),
     "experts_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                                       _I, _I, _I, _I, _I, _I, _P]),
+    "host_experts": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _I, _I, _I, _I, _I, _I, _I,
+                                    _I, _I, _P, _P]),
+    "host_experts_wait": (ctypes.c_int, [_P, _I, _I]),
     "cpu_isa": (ctypes.c_int, [ctypes.c_int]),
     # spin.c: bound weights and the spinning row pool (kernels/spin.py)
     "spin_bind": (_P, [ctypes.c_int, _P, _P, _P, _I, _I, _I]),

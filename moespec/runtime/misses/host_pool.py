@@ -24,15 +24,18 @@ out over every core beside the compute thread (docs/decisions.md, 2026-11-30 "On
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from moespec.errors import OptionError
 from moespec.kernels.expert_batch import ExpertBatch, ExpertJob, Split, choose_split
+from moespec.kernels.native_batch import NativeExpertBatch, native_plan
 from moespec.models.base import ExpertLayout
 from moespec.runtime.host.store import ExpertStore
 
@@ -74,7 +77,8 @@ class HostJob:
     future: Future
     index: int
     tokens: int
-    batch: ExpertBatch | None = None
+    batch: ExpertBatch | NativeExpertBatch | None = None
+    wait: Callable | None = None  # returns the future's result (NativeExpertBatch.result: spins first)
 
     def result(self) -> HostResult:
         """Wait for the host to finish (re-raises what the worker raised).
@@ -84,7 +88,7 @@ class HostJob:
         (its own) has nothing to do."""
         if self.batch is not None and not self.future.done():
             self.batch.run()
-        d = self.future.result()[self.index]
+        d = (self.future.result() if self.wait is None else self.wait())[self.index]
         return HostResult(raw=d.y, start=d.start, end=d.end, tokens=self.tokens, busy_s=d.busy_s)
 
 
@@ -148,6 +152,9 @@ class HostExpertPool:
             # and N workers x all cores starve the thread that launches device work.
             torch.set_num_threads(1)
             caller_threads = 1
+        buf = store.buffer  # [M, E, P]: a row's address without a view per expert (_native_batch)
+        self._row_base = buf.data_ptr()
+        self._layer_bytes, self._row_bytes = buf.stride(0) * buf.element_size(), buf.stride(1) * buf.element_size()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moespec-host",
                                         initializer=_one_intra_op_thread)
         self._start_workers()
@@ -175,6 +182,20 @@ class HostExpertPool:
         return ExpertJob(x, weights, glu=glu, act_int8=layout.act_int8, load=load, store=store,
                          forward=lambda xh: host_forward(layout, xh, row, act))
 
+    def _native_batch(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> NativeExpertBatch | None:
+        """The layer's experts as one native batch (moespec.kernels.native_batch: one C call per
+        thread, no Python per expert), or None where it does not apply (then ExpertBatch)."""
+        layout = self.store.layout.for_layer(layer)
+        xs = [x for _, x in items]
+        plan = native_plan(layout, self.store.dtype, xs, act)
+        if plan is None or self.store.buffer.device.type != "cpu":
+            return None
+        base = self._row_base + self.store.position[layer] * self._layer_bytes
+        rows = [base + e * self._row_bytes for e, _ in items]  # store.expert(layer, e).data_ptr()
+        load = None if all(x.device.type == "cpu" for x in xs) else (lambda t: t.to("cpu"))  # [t, H] d2h
+        store = None if self.device.type == "cpu" else (lambda y: y.to(self.device))  # one h2d
+        return NativeExpertBatch(layout, plan, xs, rows, load, store)
+
     def submit_layer(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> list[HostJob]:
         """Start computing the experts ``items`` = [(expert, x [t, H])] of decoder layer ``layer``.
 
@@ -190,12 +211,17 @@ class HostExpertPool:
         if not items:
             return []
         rows = choose_split(self.split, len(items), self.threads) == Split.ROWS
-        batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, self.threads)
+        batch = None if rows else self._native_batch(layer, items, act)
+        if batch is None:
+            batch = ExpertBatch([self._job(layer, x, e, act, rows) for e, x in items], self.split, self.threads)
         for _ in range(min(self.threads, batch.num_units)):
             self._pool.submit(batch.run)
         helper = batch if self.caller_helps else None
+        wait = None
+        if isinstance(batch, NativeExpertBatch):  # a helping caller spins for the last experts
+            wait = functools.partial(batch.result, spin=True) if helper is not None else batch.result
         return [HostJob(e, x.numel() * x.element_size(), x.numel() * x.element_size(), batch.future, i,
-                        x.shape[0], helper)
+                        x.shape[0], helper, wait)
                 for i, (e, x) in enumerate(items)]
 
     def submit(self, layer: int, expert: int, x: torch.Tensor, act) -> HostJob:
