@@ -94,3 +94,47 @@ def test_mmap_parses_as_the_baseline_and_refuses_another_on_miss():
     assert [a.name for a in parse_strategies("none,mmap,mmap+fetch")] == ["none", "mmap"]
     with pytest.raises(OptionError, match="--strategies 'mmap\\+host'"):
         parse_strategies("mmap+host")
+
+
+def test_an_unknown_strategy_lists_mmap_among_the_choices():
+    with pytest.raises(OptionError) as err:
+        parse_strategies("psychic")
+    assert "mmap" in err.value.hint and "router" in err.value.hint
+
+
+def test_not_root_only_the_store_files_pages_are_dropped(tmp_path, monkeypatch):
+    from moespec.runtime.host import page_cache
+
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"x" * 8192)
+    wrote = []
+    monkeypatch.setattr(page_cache.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(page_cache, "DROP_CACHES", type("P", (), {"write_text": lambda self, t: wrote.append(t)})())
+    assert page_cache.drop(path) is False and wrote == []  # drop_caches never touched without root
+    monkeypatch.setattr(page_cache.os, "geteuid", lambda: 0)
+    assert page_cache.drop(path) is True and wrote == ["1"]
+
+
+
+def test_read_bytes_comes_from_proc_self_io_else_none(tmp_path, monkeypatch):
+    from moespec.runtime.host import page_cache
+
+    io = tmp_path / "io"
+    io.write_text("rchar: 10\nread_bytes: 12288\nwrite_bytes: 0\n")
+    monkeypatch.setattr(page_cache, "PROC_IO", io)
+    assert page_cache.read_bytes() == 12288
+    monkeypatch.setattr(page_cache, "PROC_IO", tmp_path / "missing")
+    assert page_cache.read_bytes() is None
+
+
+def test_the_table_notes_when_only_the_store_file_was_dropped(profiled):
+    from rich.console import Console
+
+    from moespec.profile.render import render_report
+
+    rep = dict(profiled[0], page_cache="store file")
+    console = Console(width=80, record=True)
+    render_report(rep, console)
+    text = console.export_text()
+    assert "not root: only the store file's pages dropped before each run" in text
+    assert "disk" in text and "MB/tok" in text

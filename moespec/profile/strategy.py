@@ -62,11 +62,11 @@ def base_name(strategy: str) -> str:
     return strategy.split("@")[0]
 
 
-def _choice(kind, text: str, flag: str):
+def _choice(kind, text: str, flag: str, more: tuple[str, ...] = ()):
     try:
         return kind(text)
     except ValueError:
-        choices = ", ".join(m.value for m in kind)
+        choices = ", ".join([m.value for m in kind] + list(more))
         raise OptionError(f"{flag} {text!r} is not valid", f"choose from: {choices}") from None
 
 
@@ -102,7 +102,7 @@ def parse_strategies(text: str, on_miss: tuple[OnMiss, ...] = (OnMiss.FETCH,)) -
             if s not in out:
                 out.append(s)
             continue
-        predictor = _choice(Predictor, pred.strip(), "--strategies")
+        predictor = _choice(Predictor, pred.strip(), "--strategies", (MMAP,))
         modes = (_choice(OnMiss, where.strip(), "--strategies"),) if where else on_miss
         for m in modes:
             s = Strategy(predictor, m)
