@@ -32,6 +32,13 @@ def folder(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def profiled(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
+    # module-scoped, so conftest's per-test home does not apply yet: the store file goes to a temp home
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOESPEC_HOME", str(tmp_path_factory.mktemp("home")))
+        return _profile(folder, out)
+
+
+def _profile(folder, out):
     res = CliRunner().invoke(app, ["profile", str(folder), "--device", "cpu", "--threads", "1",
                                    "--host-memory", "40KiB", "--strategies", "none,router,mmap", "--prompt-len", "8",
                                    "--gen", "4", "--repeats", "2", "--warmup", "1", "--out", str(out / "r.json"),
