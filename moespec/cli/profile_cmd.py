@@ -45,6 +45,12 @@ Examples:
   moespec profile --device cpu --host-memory 64MiB --strategies none,router --trace disk.json
   (experts on disk: the RAM tier holds 64 MiB of rows; the trace's copy lane is the disk reader)
 
+  scripts/memcap.sh run 1G moespec profile --device cpu --host-memory 200MiB
+  --strategies none,router,mmap
+  (under a 1 GiB memory cgroup: on-demand reads, router prefetch and the mmap baseline, the
+  store file read through the page cache on a second load; the page cache dropped before each
+  run as root)
+
   moespec profile --compare before.json after.json
 """
 
@@ -74,7 +80,8 @@ def profile(
     model: Optional[str] = typer.Argument(None, help="Local folder or Hub id in the local cache; default: the embedded model."),
     strategies: str = typer.Option("none,router,oracle", "--strategies", "-s",
                                    help="Comma list of none, router, quasi, estimator, hybrid, oracle; "
-                                        "PRED+ONMISS (router+host) fixes where its misses run."),
+                                        "PRED+ONMISS (router+host) fixes where its misses run; mmap (with "
+                                        "--host-memory): the store file read through the page cache."),
     on_miss: str = typer.Option("fetch", "--on-miss",
                                 help="Comma list of fetch, host, auto: every bare strategy runs with each "
                                      "(fetch keeps the plain name, others are named PRED+ONMISS)."),
@@ -192,6 +199,7 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
          copy_share=None, dense_dtype="auto", host_memory=None):
     """Check the predictors' files, load the model, run the profile; returns (report dict, timelines)."""
     import dataclasses
+    import gc
 
     from moespec.cli.runtime_opts import build_runtime_config, check_estimator_use, enum_option, threshold_list
     from moespec.config import ExecuteMode, OnMiss, Predictor
@@ -226,24 +234,31 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
     from moespec.profile.trace import check_lengths
     from moespec.predict.factory import make_predictor
     from moespec.default_model.checked import load_checked
+    from moespec.profile.strategy import MMAP
+    from moespec.runtime.host.disk_store import DiskStore
 
     path, model_id = _resolve(model)
     torch.manual_seed(seed)
     om, note = load_checked(path, cfg)  # the default model's weights: checked by their bytes
     if note:
         err_console.print(f"[dim]{note}[/]", highlight=False)
+    direct = tuple(s for s in chosen if s.reads != MMAP)
+    mapped = tuple(s for s in chosen if s.reads == MMAP)
     try:
+        if mapped and not isinstance(om.store, DiskStore):
+            raise OptionError("--strategies mmap needs the experts on disk (it reads the store file through "
+                              "the page cache)", "add --host-memory SIZE (e.g. 200MiB) with --device cpu")
         check_lengths(list(prompt_lens), gen, om.max_context())
-        refs = om.layer_refs()
+        refs, loaded = om.layer_refs(), None
         if any(s.on_miss != OnMiss.FETCH for s in chosen):
             loaded = om.policy  # starts the host pool and benchmarks the costs, once, before any run
             om.use_policy(dataclasses.replace(loaded, on_miss=OnMiss.AUTO))
             om.use_policy(dataclasses.replace(loaded, on_miss=OnMiss.FETCH))
         made = {}
-        for p in dict.fromkeys(s.predictor for s in chosen):
+        for p in dict.fromkeys(s.predictor for s in direct):
             if p != Predictor.ORACLE:  # the oracle is built from each trace's exact run
                 made[p] = make_predictor(p, om.adapter, refs, dataclasses.replace(cfg, predictor=p), path)
-        predictors = {s.name: made[s.predictor] for s in chosen if s.predictor in made}
+        predictors = {s.name: made[s.predictor] for s in direct if s.predictor in made}
         print_notes(om.notes)
         if om.cache.num_slots >= len(om.store.moe_layers) * om.store.num_experts:
             err_console.print("[yellow]note:[/] the cache holds every expert, so little is offloaded; "
@@ -259,9 +274,24 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
         pcfg = ProfileConfig(strategies=chosen, prompt_lens=prompt_lens, gen=gen, repeats=repeats,
                              warmup_steps=warmup, execute=mode, data=data, seed=seed, timeline=timeline,
                              decode_inputs=forced, copy_share=copy_share)
-        prof = run_profile(om, _tokenizer(path), pcfg, predictors,
-                           progress=lambda msg: err_console.print(f"[dim]{msg}[/]"))
+        progress = lambda msg: err_console.print(f"[dim]{msg}[/]")  # noqa: E731
+        prof = run_profile(om, _tokenizer(path), dataclasses.replace(pcfg, strategies=direct), predictors,
+                           progress=progress)
         host_threads_used = om.planner.pool.threads if om.planner is not None else None
+        description, policy = describe(om, model_id), om.cache.policy.value
+        hit_rates = _policy_hit_rates(om, path, calibration, prof)
+        if mapped:  # the mmap baseline: a second load reading the store file through the page cache
+            om.close()
+            # Every reference to the first model goes before the second load (the same cap for each arm).
+            om = refs = made = predictors = loaded = None  # noqa: F841
+            gc.collect()
+            progress("mmap: loading the model again, the store file read through the page cache")
+            om, _ = load_checked(path, dataclasses.replace(cfg, disk_reads=MMAP))
+            none = {s.name: make_predictor(Predictor.NONE, om.adapter, om.layer_refs(), cfg, path) for s in mapped}
+            second = run_profile(om, _tokenizer(path), dataclasses.replace(pcfg, strategies=mapped, copy_share=None),
+                                 none, progress=progress, reuse=prof.traces)
+            prof.runs.extend(second.runs)
+            prof.timelines.extend(second.timelines)
         options = {"strategies": [s.name for s in chosen], "host_threads": host_threads_used,
                    "prompt_len": list(prompt_lens), "gen": gen,
                    "repeats": repeats, "warmup": warmup, "execute": mode.value,
@@ -272,12 +302,13 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
                    "expert_dtype": expert_dtype, "dense_dtype": dense_dtype, "group_size": group_size,
                    "link_gbps": link_gbps, "copy_share": copy_share, "calibration": calibration,
                    "estimator": estimator, "data": data,
-                   "seed": seed, "threads": torch.get_num_threads(), "cache_policy": om.cache.policy.value}
-        report = build_report(describe(om, model_id), options, pcfg, prof)
-        report["policy_hit_rates"] = _policy_hit_rates(om, path, calibration, prof)
+                   "seed": seed, "threads": torch.get_num_threads(), "cache_policy": policy}
+        report = build_report(description, options, pcfg, prof)
+        report["policy_hit_rates"] = hit_rates
         return report, prof.timelines
     finally:
-        om.close()
+        if om is not None:
+            om.close()
 
 
 def _policy_hit_rates(om, path, calibration, prof) -> dict:

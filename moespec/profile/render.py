@@ -79,6 +79,11 @@ def traffic_tables(rep: dict, plen: int, width: int | None) -> list[Table]:
         Column("wasted\n/tok", [f"{r['prefetch_wasted_per_token']:.1f}" for r in rows]),
         Column("skipped\n/tok", [f"{r['skipped_per_token']:.1f}" for r in rows]),
     ]
+    if any(r.get("disk") for r in rows):  # the experts on disk: what was read from it, how fast
+        disk = [r.get("disk") or {} for r in rows]
+        cols[1:1] = [Column("disk\nMB/tok", [_f(d.get("bytes_per_token") and d["bytes_per_token"] / 1e6, ".3f")
+                                              for d in disk]),
+                     Column("disk\nGB/s", [_f(d.get("gbps"), ".3g") for d in disk])]
     return fit_tables(f"prompt {plen} tokens: bytes, prediction, quality vs exact", key, cols, width)
 
 
@@ -163,6 +168,10 @@ def render_report(rep: dict, console: Console, wide: bool = False) -> None:
             console.print(table)
     for line in _NOTES:
         console.print(f"[dim]{line}[/]")
+    if any(r["strategy"].startswith("mmap") for r in rep["results"]):
+        console.print("[dim]mmap: no prediction, rows read through the page cache (a second load)[/]")
+    if rep.get("page_cache") == "store file":
+        console.print("[dim]not root: only the store file's pages dropped before each run[/]")
 
 
 def render_compare(a: dict, b: dict, name_a: str, name_b: str, console: Console, wide: bool = False) -> None:

@@ -25,7 +25,7 @@ from moespec.gguf.layout import row_format as expert_format
 from moespec.profile.guard_view import add_vs_exact
 from moespec.profile.run import ProfileConfig, ProfileRun, RunRecord
 from moespec.profile.schema import SCHEMA_VERSION, validate
-from moespec.profile.strategy import base_name
+from moespec.profile.strategy import MMAP, base_name
 from moespec.runtime.stats import LayerStats
 
 
@@ -77,7 +77,7 @@ def describe(om, model_id: str) -> dict:
 
 
 def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_miss: str = "fetch",
-                     threshold: float | None = None, moe_layers: int = 1) -> dict:
+                     threshold: float | None = None, moe_layers: int = 1, reads: str | None = None) -> dict:
     steps = [s for r in runs for s in r.steps]
     pre = [r for r in runs if getattr(r, "prefill", None) is not None]
     n = max(len(steps), 1)
@@ -145,6 +145,7 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
         "totals": {"repeats": len(runs), "decode_tokens": len(steps), "hits": tot.hits, "misses": tot.misses,
                    "prefetched": tot.prefetched, "prefetch_used": tot.prefetch_used, "h2d_bytes": tot.h2d_bytes,
                    "copy_bytes": copy_bytes},
+        "disk": _disk(steps, reads, copy_busy, n),
         "token_sha256": runs[0].token_sha256,
         "gate": getattr(runs[-1], "gate", None),  # per source layer: open, ran, skipped, saving/cost ms, why
         "per_layer": [{
@@ -160,9 +161,22 @@ def _strategy_result(runs: list[RunRecord], execute: str, expert_bytes: int, on_
     }
 
 
+def _disk(steps, reads: str | None, copy_busy_ms: float, n: int) -> dict | None:
+    """With the experts on disk: how the rows were read ("O_DIRECT" or "page cache", the mmap baseline),
+    the bytes read from disk per decode token (/proc/self/io; the row copies' bytes where uncounted) and
+    the disk GB/s while rows were being read (bytes / the copies' busy time); None off the disk tier."""
+    if reads is None:
+        return None
+    counted = [s.disk_bytes for s in steps if s.disk_bytes is not None]
+    nbytes = sum(counted) if counted else sum(s.copy_bytes for s in steps)
+    return {"reads": reads, "counted": "/proc/self/io" if counted else "row copies",
+            "bytes_per_token": nbytes / n, "gbps": nbytes / copy_busy_ms / 1e6 if copy_busy_ms > 0 and nbytes else None}
+
+
 def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: ProfileRun) -> dict:
     """The report dict (validates against schema.REPORT_SCHEMA)."""
     expert_bytes = description["model"]["expert_bytes"]
+    on_disk = description["cache"].get("experts_on") == "disk"
     results = []
     for plen in cfg.prompt_lens:
         for strategy in cfg.strategies:
@@ -172,7 +186,7 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
                 results.append(_strategy_result(runs, execute.value, expert_bytes,
                                                 getattr(strategy, "on_miss", OnMiss.FETCH).value,
                                                 getattr(strategy, "threshold", None),
-                                                description["model"]["moe_layers"]))
+                                                description["model"]["moe_layers"], _reads(strategy, on_disk)))
     for res in results:
         base = next((r for r in results if r["strategy"] == "none" and r["prompt_len"] == res["prompt_len"]), None)
         if base is not None:
@@ -205,7 +219,15 @@ def build_report(description: dict, options: dict, cfg: ProfileConfig, prof: Pro
                   "prompts": [{"prompt_len": p, "token_sha256": t.sha256()} for p, t in prof.traces.items()]},
         "results": results,
         "copy_share": _copy_share(prof, results),
+        "page_cache": prof.page_cache,
     }
+
+
+def _reads(strategy, on_disk: bool) -> str | None:
+    """How ``strategy`` read its rows with the experts on disk (None: they were in RAM)."""
+    if not on_disk:
+        return None
+    return "page cache" if getattr(strategy, "reads", "direct") == MMAP else "O_DIRECT"
 
 
 def _copy_share(prof: ProfileRun, results: list[dict]) -> dict | None:

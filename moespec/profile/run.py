@@ -3,8 +3,9 @@
 For each prompt length: the `exact` run records the trace (trace.py); every strategy then runs
 one untimed warm-up (prefill + a few decode steps); then ``repeats`` rounds run every strategy
 once each, interleaved (none, router, ..., none, router, ...) so slow drift of the machine hits
-all strategies alike. Every run starts cold (empty KV cache and expert cache). Clocks are read
-only after the device was synchronised (the recorder does it at the end of each step).
+all strategies alike. Every run starts cold (empty KV cache and expert cache; with the experts on
+disk, the store file's page cache dropped too: runtime/host/page_cache.py). Clocks are read only
+after the device was synchronised (the recorder does it at the end of each step).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class StepRecord:
         kl: KL(exact || strategy) of the final logits, nats.
         bounds: on-demand / floor times.
         nll: -log p(target) of the step's logits, nats (the trace's target: perplexity = exp(mean nll)).
+        disk_bytes: bytes this process had read from disk during the step (/proc/self/io; the mmap
+            baseline's page faults and read-around included); None off the disk tier or uncounted.
     """
 
     wall_ms: float
@@ -84,6 +87,7 @@ class StepRecord:
     kl: float
     bounds: StepBounds
     nll: float = 0.0
+    disk_bytes: int | None = None
 
 
 @dataclass
@@ -146,6 +150,7 @@ class ProfileRun:
     runs: list[RunRecord]
     timelines: list[Timeline]
     copy_share: CopyShare | None = None
+    page_cache: str | None = None  # disk tier: "dropped" (root) or "store file" (only its pages) before each run
 
 
 class _SpanKeepingRecorder(StatsRecorder):
@@ -204,6 +209,22 @@ def measure_link(om, copies: int = 8) -> LinkMeasurement:
                            o_direct=bool(getattr(eng, "direct", False)))
 
 
+def on_disk(om) -> bool:
+    """The experts' rows come from the store file: read with O_DIRECT, or mapped (the mmap baseline)."""
+    from moespec.runtime.host.disk_store import DiskStore
+
+    return isinstance(om.store, DiskStore) or getattr(om.store, "mapping", None) is not None
+
+
+def drop_page_cache(om) -> bool:
+    """Drop the store file's page cache before a run (page_cache.drop); True when the whole cache was
+    dropped (root)."""
+    from moespec.runtime.host import page_cache
+
+    store = om.store
+    return page_cache.drop(getattr(store, "file", None) or store.path, getattr(store, "mapping", None))
+
+
 def _vs_reference(ref_logits: torch.Tensor, logits: torch.Tensor, target: int) -> tuple[bool, float, float]:
     """One decode step's logits [V] against the exact run's [V]: (same top-1, KL(ref || run) in nats,
     -log p(target) in nats); one float64 log_softmax of each."""
@@ -229,8 +250,13 @@ def _timeline(strategy: str, prompt_len: int, step: int, wall_ms: float, ref, sp
 def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredictor, cfg: ProfileConfig,
          timer: LayerTimer, log: CopyLog, link_gbps: float, n_steps: int, repeat: int,
          timeline_step: int | None) -> tuple[RunRecord, Timeline | None]:
+    from moespec.runtime.host.page_cache import read_bytes
+
     strategy = arm.name
     rec = _SpanKeepingRecorder(synchronize=log.synchronize)
+    disk = on_disk(om)
+    if disk:  # a cold start for the page cache too (the mmap baseline's cache)
+        drop_page_cache(om)
     # An arm without its own τ keeps the one in force (the loaded --fetch-threshold, or the last arm's).
     threshold = om.policy.fetch_threshold if arm.threshold is None else arm.threshold
     cold_start(om, engine, replace(om.policy, predictor=predictor, execute=arm.execute or cfg.execute,
@@ -249,7 +275,9 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
         rec.keep = i == timeline_step
         busy0, bytes0 = log.busy_seconds(), log.bytes_moved
         ref = log.mark()
+        io0 = read_bytes() if disk else None
         logits = engine.forward([trace.decode[i]], "decode")  # [V]; end_step synchronised
+        io1 = read_bytes() if io0 is not None else None
         st = rec.steps[-1]
         spans, copies = timer.take(), log.take()
         layer_ms = {layer: s.ms() for layer, s in spans}
@@ -260,11 +288,13 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
         steps.append(StepRecord(
             wall_ms=st.wall_ms, layers=st.layers, layer_ms=layer_ms,
             copy_busy_ms=(log.busy_seconds() - busy0) * 1e3, copy_bytes=log.bytes_moved - bytes0,
-            top1=top1, kl=kl, bounds=bounds, nll=nll))
+            top1=top1, kl=kl, bounds=bounds, nll=nll, disk_bytes=None if io1 is None else io1 - io0))
         if rec.keep:
             timeline = _timeline(strategy, len(trace.prompt), i, st.wall_ms, ref, spans, rec.kept, copies)
             if getattr(om.cache.engine, "direct", None) is not None:  # the disk reader (transfer/disk.py)
                 timeline.copy_lane = "disk read (O_DIRECT)" if om.cache.engine.direct else "disk read (buffered)"
+            elif disk:  # the mmap baseline: rows copied out of the mapping, page faults on first touch
+                timeline.copy_lane = "disk read (page cache)"
             rec.keep = False
     sha = token_sha256(trace.prompt, trace.decode[:n_steps])
     gate = getattr(om.runner.prefetcher, "gate", None)
@@ -273,14 +303,19 @@ def _run(om, engine, trace: TokenTrace, arm: Strategy, predictor: NextLayerPredi
 
 
 def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLayerPredictor],
-                progress: Callable[[str], None] = lambda msg: None) -> ProfileRun:
+                progress: Callable[[str], None] = lambda msg: None,
+                reuse: dict[int, TokenTrace] | None = None) -> ProfileRun:
     """Profile ``cfg.strategies`` on ``om``; ``predictors`` maps a strategy name to its predictor (oracle
     strategies are built here from each trace).
+
+    ``reuse``: the traces (by prompt length) of an earlier profile of the same model, run on instead
+    of recording them again (the mmap baseline's second load: same reference, same tokens).
 
     Raises:
         DataError, PromptError: unreadable --data, prompt beyond the context.
     """
     engine = Engine(om)
+    page = None if not on_disk(om) else "dropped" if drop_page_cache(om) else "store file"
     link = measure_link(om)
     progress(f"link: {link.gbps:.3g} GB/s measured ({link.copies} copies of {link.bytes_per_copy / 1e6:.2f} MB)")
     text, source = load_text(cfg.data)
@@ -299,8 +334,11 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
                     prompt, forced = ids[:plen], ids[plen:]
                 else:
                     prompt = prompt_tokens(tokenizer, text, plen, vocab, cfg.seed)
-                progress(f"prompt {plen}: exact run (records the trace)")
-                trace = record_trace(om, engine, prompt, cfg.gen, source, forced)
+                if reuse is not None and plen in reuse:
+                    trace = reuse[plen]
+                else:
+                    progress(f"prompt {plen}: exact run (records the trace)")
+                    trace = record_trace(om, engine, prompt, cfg.gen, source, forced)
                 traces[plen] = trace
                 if cfg.copy_share is not None and share is None:  # once, on the first prompt's trace
                     progress(f"prompt {plen}: on-demand probe with unthrottled copies (--copy-share)")
@@ -333,4 +371,4 @@ def run_profile(om, tokenizer, cfg: ProfileConfig, predictors: dict[str, NextLay
             om.reset_step()
             om.use_policy(saved_policy)
             om.set_recorder(saved_recorder)
-    return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines, copy_share=share)
+    return ProfileRun(link=link, traces=traces, runs=runs, timelines=timelines, copy_share=share, page_cache=page)

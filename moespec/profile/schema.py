@@ -73,6 +73,10 @@ _RESULT = _obj({
                     "copy_share": _NUM_OR_NULL, "distance_ms": _NUM, "distance_ratio": _NUM_OR_NULL}),
     "totals": _obj({"repeats": _INT, "decode_tokens": _INT, "hits": _INT, "misses": _INT, "prefetched": _INT,
                     "prefetch_used": _INT, "h2d_bytes": _INT, "copy_bytes": _INT}),
+    # the experts on disk: how rows were read, disk bytes per token, GB/s while reading (report._disk)
+    "disk": {"type": ["object", "null"], "properties": {
+        "reads": {"type": "string", "enum": ["O_DIRECT", "page cache"]}, "counted": _STR,
+        "bytes_per_token": _NUM, "gbps": _NUM_OR_NULL}},
     "token_sha256": _STR,
     "per_layer": {"type": "array", "items": _PER_LAYER},
     "gate": {"type": ["array", "null"]},  # the prediction gate per source layer (runtime/layer/gate.py)
@@ -82,7 +86,8 @@ _RESULT["required"] = [k for k in _RESULT["required"] if k not in ("on_miss", "t
                                                                            "tpot_runs_ms", "fetch_threshold",
                                                                            "skipped_mass_per_token",
                                                                            "skipped_mass_per_layer",
-                                                                           "substituted_per_token", "vs_exact", "gate")]
+                                                                           "substituted_per_token", "vs_exact", "gate",
+                                                                           "disk")]
 
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -110,6 +115,9 @@ REPORT_SCHEMA = {
         "policy_hit_rates": {"type": "object"},  # optional: prompt length -> policy -> hit rates
         # optional (--copy-share): asked, probe_tpot_ms, bytes_per_token, link_gbps, reached (prompt len -> share)
         "copy_share": {"type": ["object", "null"]},
+        # optional (experts on disk): before each run "dropped" (the page cache, as root) or "store file"
+        # (only the store file's pages: not root); null otherwise
+        "page_cache": {"type": ["string", "null"], "enum": ["dropped", "store file", None]},
         # optional: the XXH3-128 of the rest (integrity.seal_json); older reports lack it
         "xxh3": _STR,
     }, required=["schema_version", "kind", "created", "versions", "hardware", "model", "options", "cache", "link",

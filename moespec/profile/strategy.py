@@ -8,6 +8,10 @@ keeps the plain predictor name (``none``, ``router``: today's reports read the s
 With ``--execute guarded`` and ``--fetch-threshold`` values τ1,τ2,..., every strategy runs once in
 `exact` (its plain name: the reference) and once guarded per τ (named ``NAME@τ``, e.g. ``none@0.05``),
 all on the same trace, so bytes and quality of each τ are compared with exact's (guard_arms).
+
+``mmap`` is the baseline of the disk tier (``--host-memory``): no prediction, the store file read
+through the OS page cache (a read-only mapping, a page fault per page, as llama.cpp reads its
+GGUF) instead of O_DIRECT; it runs on a second load of the model (profile_cmd), on the same trace.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 
 from moespec.config import ExecuteMode, OnMiss, Predictor
 from moespec.errors import OptionError
+
+
+MMAP = "mmap"  # the strategy name of the mmap baseline (Strategy.reads)
 
 
 @dataclass(frozen=True)
@@ -27,17 +34,20 @@ class Strategy:
         on_miss: where a miss runs.
         execute: the execution mode of this arm (None: the profile's ``--execute``).
         threshold: τ of a guarded arm (None: the runtime's ``--fetch-threshold``).
+        reads: how the disk tier reads rows: "direct" (O_DIRECT, the loaded model) or "mmap" (the
+            page cache; predictor NONE, on a second load with RuntimeConfig.disk_reads "mmap").
     """
 
     predictor: Predictor
     on_miss: OnMiss = OnMiss.FETCH
     execute: ExecuteMode | None = None
     threshold: float | None = None
+    reads: str = "direct"
 
     @property
     def name(self) -> str:
         """``router`` for fetch, ``router+host`` otherwise (the report's ``strategy``); ``@τ`` for a guarded arm."""
-        p = self.predictor.value
+        p = MMAP if self.reads == MMAP else self.predictor.value
         base = p if self.on_miss == OnMiss.FETCH else f"{p}+{self.on_miss.value}"
         return base if self.threshold is None else f"{base}@{self.threshold:g}"
 
@@ -52,11 +62,11 @@ def base_name(strategy: str) -> str:
     return strategy.split("@")[0]
 
 
-def _choice(kind, text: str, flag: str):
+def _choice(kind, text: str, flag: str, more: tuple[str, ...] = ()):
     try:
         return kind(text)
     except ValueError:
-        choices = ", ".join(m.value for m in kind)
+        choices = ", ".join([m.value for m in kind] + list(more))
         raise OptionError(f"{flag} {text!r} is not valid", f"choose from: {choices}") from None
 
 
@@ -76,7 +86,8 @@ def parse_strategies(text: str, on_miss: tuple[OnMiss, ...] = (OnMiss.FETCH,)) -
     """Strategies of ``--strategies`` crossed with the ``--on-miss`` list, in the order given.
 
     Raises:
-        OptionError: empty, unknown predictor or on-miss value (names --strategies).
+        OptionError: empty, unknown predictor or on-miss value, mmap with an on-miss other than
+            fetch (names --strategies).
     """
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
@@ -84,7 +95,14 @@ def parse_strategies(text: str, on_miss: tuple[OnMiss, ...] = (OnMiss.FETCH,)) -
     out: list[Strategy] = []
     for name in names:
         pred, _, where = name.partition("+")
-        predictor = _choice(Predictor, pred.strip(), "--strategies")
+        if pred.strip() == MMAP:  # the baseline fetches its misses: nothing else reads the page cache
+            if where and where.strip() != OnMiss.FETCH.value:
+                raise OptionError(f"--strategies {name!r} is not valid", "mmap runs with fetch only: write mmap")
+            s = Strategy(Predictor.NONE, OnMiss.FETCH, reads=MMAP)
+            if s not in out:
+                out.append(s)
+            continue
+        predictor = _choice(Predictor, pred.strip(), "--strategies", (MMAP,))
         modes = (_choice(OnMiss, where.strip(), "--strategies"),) if where else on_miss
         for m in modes:
             s = Strategy(predictor, m)
@@ -97,6 +115,6 @@ def guard_arms(strategies: tuple[Strategy, ...], thresholds: tuple[float, ...]) 
     """Each strategy as an `exact` arm (the reference) followed by one guarded arm per τ."""
     out: list[Strategy] = []
     for s in strategies:
-        out.append(Strategy(s.predictor, s.on_miss, ExecuteMode.EXACT))
-        out.extend(Strategy(s.predictor, s.on_miss, ExecuteMode.GUARDED, tau) for tau in thresholds)
+        out.append(Strategy(s.predictor, s.on_miss, ExecuteMode.EXACT, reads=s.reads))
+        out.extend(Strategy(s.predictor, s.on_miss, ExecuteMode.GUARDED, tau, s.reads) for tau in thresholds)
     return tuple(out)

@@ -179,6 +179,7 @@ class DiskStore:
         rows = rows[:, :, : self.expert_bytes].view(self.dtype)  # [M, E, P]
         store = ExpertStore(self.moe_layers, self.num_experts, self.layout, self.dtype, buffer=rows)
         store.mapping = mm  # why: the rows view the mapping; it lives as long as the store
+        store.file = self.path  # whose page cache a profiled run drops first (host/page_cache.py)
         return store
 
     def close(self) -> None:
