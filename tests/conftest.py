@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,11 +20,17 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path_factory, monkeypatch):
-    """moespec's cache goes to a temporary folder unless a test says otherwise."""
-    if "MOESPEC_HOME" not in __import__("os").environ or __import__("os").environ.get("CI"):
-        monkeypatch.setenv("MOESPEC_HOME", str(tmp_path_factory.getbasetemp() / "moespec_home"))
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_home(tmp_path_factory):
+    """moespec's cache goes to a temporary folder unless a test says otherwise.
+
+    Session-scoped: module- and session-scoped fixtures (a profile run, a quantised or disk store)
+    run before any function-scoped fixture, so a per-test home let them write into the user's.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        if "MOESPEC_HOME" not in os.environ or os.environ.get("CI"):
+            mp.setenv("MOESPEC_HOME", str(tmp_path_factory.getbasetemp() / "moespec_home"))
+        yield
 
 
 @pytest.fixture(scope="session")
