@@ -13,6 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_checkpoint  # noqa: E402
 
+from moespec.paths import moespec_home  # noqa: E402
+
+# Why: the user's moespec home, read at import, before the session fixture below points
+# MOESPEC_HOME at a temp folder: the default-model fixture reuses the model `moespec chat` built.
+USER_MOESPEC_HOME = moespec_home()
+
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
 # Why: on 2 cores, 2 intra-op threads plus the copy worker thread oversubscribe the CPU and make
@@ -69,8 +75,9 @@ def default_model(pytestconfig, tmp_path_factory):
     """(slow tests) The embedded default model's folder in the user's moespec home (CI: the session's temp folder),
     reused when its recipe digest is this code's, else built once with its progress bars shown.
 
-    Read before conftest's autouse fixture points MOESPEC_HOME at a temp folder, so the README's
-    test command reuses (or leaves behind) the model `moespec chat` uses.
+    The user's home is read at import (USER_MOESPEC_HOME), before the session fixture points
+    MOESPEC_HOME at a temp folder, so the README's test command reuses (or leaves behind) the
+    model `moespec chat` uses.
     """
     import io
     import os
@@ -79,9 +86,7 @@ def default_model(pytestconfig, tmp_path_factory):
     from rich.console import Console
 
     from moespec.default_model import build, ensure_default_model, source
-    from moespec.paths import moespec_home
-
-    home = tmp_path_factory.getbasetemp() / "moespec_home" if os.environ.get("CI") else moespec_home()
+    home = tmp_path_factory.getbasetemp() / "moespec_home" if os.environ.get("CI") else USER_MOESPEC_HOME
     mp = pytest.MonkeyPatch()
     mp.setenv("MOESPEC_HOME", str(home))
     cached = Path.home() / ".cache" / "moespec" / "wheels" / source.WHEEL_FILENAME
