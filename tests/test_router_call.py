@@ -36,6 +36,26 @@ def _router(family: str, norm: bool):
     return router_cls(cfg_cls(hidden_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm))
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tied_probabilities_take_the_routers_own_choice(family):
+    """torch.topk breaks ties by its own sort (an all-zero router picks e.g. experts 10, 11, 12, 9 of
+    16), not by the lowest id: a tie inside the top-k or at its edge runs the own forward."""
+    router = _router(family, True)
+    gen = torch.Generator().manual_seed(7)
+    own = type(router).forward
+    path = install_routers(router)
+    with torch.inference_mode():
+        x = torch.randn(1, 64, generator=gen)
+        router.weight.zero_()  # every logit 0: all 16 tie
+        assert torch.equal(router(x)[2], own(router, x)[2])
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        router.weight[5] = router.weight[3]  # experts 3 and 5 tie; whether in the top-k or not
+        for _ in range(50):
+            x = torch.randn(1, 64, generator=gen)
+            assert torch.equal(router(x)[2], own(router, x)[2])
+    assert path.ties >= 1 and path.calls + path.ties == 51
+
+
 @pytest.mark.parametrize("family,norm", [("qwen2_moe", True), ("qwen2_moe", False), ("qwen3_moe", True),
                                          ("olmoe", False), ("mixtral", True)])
 def test_native_selection_equals_the_routers_own(family, norm):

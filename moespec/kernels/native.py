@@ -50,7 +50,7 @@ _SIGNATURES = {
     "dequant_q4": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
     "dequant_q8": (None, [_P, _P, _P, _I, _I, _P, _I, _I]),
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
-    "router_topk": (None, [_P, _I, _I, _I, ctypes.c_int, _P, _P]),  # router.c (runtime/router_call.py)
+    "router_topk": (ctypes.c_int, [_P, _I, _I, _I, ctypes.c_int, _P, _P]),  # router.c (runtime/router_call.py)
     "expert_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _I,
                                      _I, _I, _I, _P]),
     "experts_swiglu": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_int, _P, _I, _P, _I, _P, _I, _I, _I, _I,

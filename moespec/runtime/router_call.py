@@ -7,7 +7,7 @@ top-k routers) compute logits = x W^T, softmax in float32, top-k, and renormalis
 (Qwen/OLMoE when ``norm_topk_prob``; Mixtral always). Each gets a forward of its own (this instance
 only): for one token in float32 on the CPU with the native kernels loaded, the same ``F.linear`` for
 the logits (bit-equal), then softmax, top-k and the renormalisation in one call
-(csrc/router.c ``router_topk``: within a few ulp of torch's); anything else (a prefill, bfloat16,
+(csrc/router.c ``router_topk``: within a few ulp of torch's; a tie in the top-k: the own forward); anything else (a prefill, bfloat16,
 CUDA, under torch.compile, the reference) the router's own forward.
 
 The reference: ``RouterPath.reference = True`` runs every router's own forward (tests compare them).
@@ -37,11 +37,13 @@ class RouterPath:
         routers: the wrapped router modules.
         reference: True runs every router's own forward.
         calls: native selections so far (tests check the fast path ran).
+        ties: tokens sent to the router's own forward because probabilities tied (router.c).
     """
 
     routers: list[nn.Module] = field(default_factory=list)
     reference: bool = False
     calls: int = 0
+    ties: int = 0
     _undo: list[tuple[nn.Module, object]] = field(default_factory=list)
 
     def uninstall(self) -> None:
@@ -79,11 +81,13 @@ def _forward(path: RouterPath, module: nn.Module, own, renorm: bool):
                 or w.dtype != torch.float32 or hidden_states.device.type != "cpu" or w.device.type != "cpu"
                 or torch.compiler.is_compiling()):
             return own(hidden_states)
-        path.calls += 1
         logits = F.linear(hidden_states.reshape(1, hidden), w).contiguous()  # [1, E], as the router's own
         weights = torch.empty(1, k)  # [1, K] float32 (the logits' dtype: no cast)
         ids = torch.empty(1, k, dtype=torch.long)  # [1, K]
-        lib.router_topk(logits.data_ptr(), 1, logits.shape[-1], k, int(renorm), weights.data_ptr(), ids.data_ptr())
+        if lib.router_topk(logits.data_ptr(), 1, logits.shape[-1], k, int(renorm), weights.data_ptr(), ids.data_ptr()):
+            path.ties += 1
+            return own(hidden_states)  # a tie: torch.topk's choice and order are its own (router.c)
+        path.calls += 1
         return logits, weights, ids
 
     return forward

@@ -6,15 +6,17 @@
  * Mixtral) run softmax, topk, a sum and a division: four tensor ops, ~12 us of dispatch per decode
  * layer here against well under 1 us of arithmetic. Precision: exp(l - max) by libm's expf (torch:
  * Sleef), divided by the sum (summed in expert order): within a few ulp of torch; the ids are
- * torch.topk's (largest first) unless two probabilities tie, where this takes the lower id first
- * (tests/test_router_call.py).
+ * torch.topk's (largest first). Where two probabilities tie inside the top-k or at its edge,
+ * torch.topk's choice and order are its own sort's (not the lower id), so the call returns 1 and
+ * the caller runs the router's own forward (a zeroed or coarse router ties every token): the ids
+ * are then always torch's (tests/test_router_call.py). Returns 0 when w and ids are set.
  */
 #include <math.h>
 #include <stdint.h>
 
 typedef int64_t i64;
 
-void router_topk(const float* logits, i64 T, i64 E, i64 K, int renorm, float* w, i64* ids) {
+int router_topk(const float* logits, i64 T, i64 E, i64 K, int renorm, float* w, i64* ids) {
     float p[E];
     for (i64 t = 0; t < T; t++) {
         const float* l = logits + t * E;
@@ -39,7 +41,15 @@ void router_topk(const float* logits, i64 T, i64 E, i64 K, int renorm, float* w,
             wt[k] = p[best] / s;
             top += wt[k];
         }
+        /* a tie among the chosen (their order) or with the best one left out (the choice) */
+        for (i64 e = 0; e < E; e++) {
+            int chosen = -1;
+            for (i64 j = 0; j < K; j++) chosen = it[j] == e ? (int)j : chosen;
+            for (i64 j = 0; j < K; j++)
+                if ((i64)chosen != j && it[j] != e && p[e] == p[it[j]] && (chosen >= 0 || j == K - 1)) return 1;
+        }
         if (renorm)
             for (i64 k = 0; k < K; k++) wt[k] /= top;
     }
+    return 0;
 }
