@@ -10,7 +10,7 @@ import torch
 
 from moespec.kernels import native
 from moespec.kernels.expert_batch import ExpertBatch, Split
-from moespec.kernels.native_batch import NativeExpertBatch, native_plan
+from moespec.runtime.misses.native_batch import NativeExpertBatch, native_plan
 from moespec.models.layout import ExpertLayout
 from moespec.models.quant_layout import QuantLayout
 from moespec.runtime.host.store import ExpertStore

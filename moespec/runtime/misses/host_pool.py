@@ -35,7 +35,7 @@ import torch
 
 from moespec.errors import OptionError
 from moespec.kernels.expert_batch import ExpertBatch, ExpertJob, Split, choose_split
-from moespec.kernels.native_batch import NativeExpertBatch, native_plan
+from moespec.runtime.misses.native_batch import NativeExpertBatch, native_plan
 from moespec.models.base import ExpertLayout
 from moespec.runtime.host.store import ExpertStore
 
@@ -183,7 +183,7 @@ class HostExpertPool:
                          forward=lambda xh: host_forward(layout, xh, row, act))
 
     def _native_batch(self, layer: int, items: list[tuple[int, torch.Tensor]], act) -> NativeExpertBatch | None:
-        """The layer's experts as one native batch (moespec.kernels.native_batch: one C call per
+        """The layer's experts as one native batch (moespec.runtime.misses.native_batch: one C call per
         thread, no Python per expert), or None where it does not apply (then ExpertBatch)."""
         layout = self.store.layout.for_layer(layer)
         xs = [x for _, x in items]
