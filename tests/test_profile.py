@@ -31,9 +31,12 @@ def model(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def profiled(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
-    res = invoke(str(model), "--device", "cpu", "--threads", "1", "--cache-experts", "4", "--link-gbps", "0.5",
-                 "--strategies", "none,router,oracle", "--prompt-len", "8", "--gen", "4", "--repeats", "2",
-                 "--warmup", "1", "--out", str(out / "r.json"), "--trace", str(out / "t.json"))
+    # a home of its own: the session's home may hold another test's calibration of this model (lfru)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOESPEC_HOME", str(tmp_path_factory.mktemp("home")))
+        res = invoke(str(model), "--device", "cpu", "--threads", "1", "--cache-experts", "4", "--link-gbps", "0.5",
+                     "--strategies", "none,router,oracle", "--prompt-len", "8", "--gen", "4", "--repeats", "2",
+                     "--warmup", "1", "--out", str(out / "r.json"), "--trace", str(out / "t.json"))
     assert res.exit_code == 0, res.output
     return out, json.loads((out / "r.json").read_text()), res.output
 
