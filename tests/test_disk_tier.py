@@ -366,3 +366,28 @@ def test_a_read_error_while_serving_is_a_server_error_and_the_next_request_works
         assert "\n" not in err["message"] and err["message"].count(str(s.app.state.backend.engine.om.store.path)) == 1
         again = httpx.post(s.v1 + "/chat/completions", json=body, timeout=120).json()
     assert again["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+
+
+def test_host_computed_misses_are_refused_on_disk_by_every_command_and_switch(model):
+    """A host-computed miss needs its row in RAM: chat refused it at load, but `profile`'s
+    --on-miss arms switched the policy after loading and crashed in the host pool (a traceback)."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from moespec.cli.app import app
+    from moespec.config import OnMiss
+    from moespec.errors import OptionError
+
+    om = _load(model)
+    try:
+        with pytest.raises(OptionError, match="--on-miss host cannot run with the experts on disk"):
+            om.use_policy(replace(om.policy, on_miss=OnMiss.HOST))
+        assert om.planner is None  # refused before the host pool started
+    finally:
+        om.close()
+    res = CliRunner().invoke(app, ["profile", str(model), "--device", "cpu", "--host-memory", "64KiB",
+                                   "--on-miss", "host", "--strategies", "none", "--gen", "2", "--prompt-len", "8"],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "--on-miss host cannot run with the experts on disk" in res.output and "--on-miss fetch" in res.output

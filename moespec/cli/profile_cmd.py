@@ -218,6 +218,11 @@ def _run(model, strategies, on_miss, host_threads, prompt_len, gen, repeats, war
     elif len(taus) > 1:
         raise OptionError(f"--fetch-threshold {fetch_threshold} is a list, but only guarded arms use it",
                           "add --execute guarded, or pass one value")
+    if host_memory is not None:  # experts on disk: say it before loading (use_policy checks it again)
+        from moespec.runtime.host.disk_store import check_on_miss
+
+        for s in chosen:
+            check_on_miss(s.on_miss)
     predicting = any(s.predictor != Predictor.NONE for s in chosen)
     # Every strategy runs with the same cache; size it for prefetching if any strategy prefetches.
     cfg = build_runtime_config(

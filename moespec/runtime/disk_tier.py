@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from moespec.config import OnMiss, Predictor, RuntimeConfig, format_binary
+from moespec.config import Predictor, RuntimeConfig, format_binary
 from moespec.errors import BudgetError, CheckpointError, OptionError
 from moespec.models.base import ExpertLayout
-from moespec.runtime.host.disk_store import DiskStore, store_path
+from moespec.runtime.host.disk_store import DiskStore, check_on_miss, store_path
 from moespec.runtime.host.memory import available_bytes, headroom_bytes
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.transfer.disk import DiskReadEngine
@@ -52,9 +52,7 @@ def ram_slots(cfg: RuntimeConfig, top_k: int, total_experts: int, stride: int, d
             naming the minimum in MiB and a --host-memory value that works.
         OptionError: --on-miss other than fetch (a host-computed miss needs its row in RAM already).
     """
-    if cfg.on_miss != OnMiss.FETCH:
-        raise OptionError(f"--on-miss {cfg.on_miss.value} cannot run with the experts on disk",
-                          "use --on-miss fetch (the default) with --host-memory")
+    check_on_miss(cfg.on_miss)
     need = top_k * (1 if cfg.predictor == Predictor.NONE else 2)
     if cfg.host_memory_bytes is not None:
         have, asked = cfg.host_memory_bytes, f"--host-memory {format_binary(cfg.host_memory_bytes)}"

@@ -23,6 +23,7 @@ from moespec.models.base import MoeAdapter, Routing
 from moespec.predict.base import LayerRef
 from moespec.runtime.cache.ledger import PrefetchLedger
 from moespec.runtime.cache.slots import ExpertCache
+from moespec.runtime.host.disk_store import DiskStore, check_on_miss
 from moespec.runtime.host.store import ExpertStore
 from moespec.runtime.layer.observer import Observer, RoutingLog
 from moespec.runtime.layer.policy import LayerPolicy
@@ -118,8 +119,11 @@ class OffloadedModel:
         misses on the host starts the host pool and benchmarks the costs (misses.planner.measure_costs).
 
         Raises:
-            OptionError: the host cannot compute this model's experts (names --on-miss).
+            OptionError: the host cannot compute this model's experts, or they are on disk (names
+                --on-miss).
         """
+        if policy.on_miss != OnMiss.FETCH and isinstance(self.store, DiskStore):
+            check_on_miss(policy.on_miss)  # a host-computed miss needs its row in RAM (disk_tier.py)
         if policy.on_miss != OnMiss.FETCH and self.planner is None:
             first = self.model.model.layers[self.store.moe_layers[0]].mlp
             what = f"{getattr(self.config, 'model_type', 'this model')} {str(self.dtype).removeprefix('torch.')}"

@@ -35,6 +35,8 @@ from typing import Callable
 import torch
 
 from moespec.artifacts import model_key, sanitize_model_id
+from moespec.config import OnMiss
+from moespec.errors import OptionError
 from moespec.integrity import new_hasher
 from moespec.models.base import ExpertLayout
 from moespec.paths import moespec_home
@@ -280,3 +282,14 @@ def _row_digest(row: torch.Tensor) -> str:
     h = new_hasher()
     h.update(row.contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def check_on_miss(on_miss: OnMiss) -> None:
+    """The one rule for every command and every policy switch: experts on disk are fetched.
+
+    Raises:
+        OptionError: --on-miss other than fetch (a host-computed miss needs its row in RAM already).
+    """
+    if on_miss != OnMiss.FETCH:
+        raise OptionError(f"--on-miss {on_miss.value} cannot run with the experts on disk",
+                          "use --on-miss fetch (the default) with --host-memory")
