@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import GREEDY_PROMPT, make_checkpoint
+from tiny import GREEDY_PROMPT, make_checkpoint, two_turn_conversation
 
 from moespec.config import Predictor, RuntimeConfig
 from moespec.runtime import dense
@@ -29,22 +29,6 @@ def folders(tmp_path_factory):
     return {f: make_checkpoint(root / f, f, seed=90 + i) for i, f in enumerate(fams)}
 
 
-def _conversation(om) -> tuple[torch.Tensor, list[int]]:
-    """Logits [steps, V] and greedy tokens of two turns (the second reusing the first's cache, then
-    cropped back to a shorter prefix and re-prefilled)."""
-    eng, outs, toks = Engine(om), [], []
-    ids = list(GREEDY_PROMPT)
-    for turn in range(2):
-        logits = eng.prefill(ids)
-        for _ in range(5):
-            outs.append(logits)
-            toks.append(int(logits.argmax()))
-            logits = eng.forward([toks[-1]], "decode")
-        outs.append(logits)
-        ids = eng.cached_ids[: len(ids) + 2] + [7, 11, 13]  # keeps a prefix: a crop, then a prefill
-    return torch.stack(outs), toks
-
-
 @pytest.mark.parametrize("family", LEAN)
 @pytest.mark.parametrize("native_dense", [True, False])
 def test_lean_equals_own_forward(folders, family, native_dense, monkeypatch):
@@ -53,10 +37,10 @@ def test_lean_equals_own_forward(folders, family, native_dense, monkeypatch):
     om = load_offloaded(folders[family], RuntimeConfig(predictor=Predictor.ROUTER, cache_experts=6))
     try:
         assert len(om.decode.layers) == len(om.model.model.layers)
-        fast, fast_toks = _conversation(om)
+        fast, fast_toks = two_turn_conversation(om)
         assert om.decode.calls == 10 * len(om.decode.layers)  # every decode step of every layer
         om.decode.reference = True
-        ref, ref_toks = _conversation(om)
+        ref, ref_toks = two_turn_conversation(om)
         assert om.decode.calls == 10 * len(om.decode.layers)
     finally:
         om.close()

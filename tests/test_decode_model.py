@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import GREEDY_PROMPT, make_checkpoint, reference_greedy
+from tiny import GREEDY_PROMPT, make_checkpoint, reference_greedy, two_turn_conversation
 
 from moespec.config import Predictor, RuntimeConfig, SamplingConfig
 from moespec.runtime.engine import Engine
@@ -27,29 +27,14 @@ def folders(tmp_path_factory):
     return {f: make_checkpoint(root / f, f, seed=70 + i) for i, f in enumerate(FAMILIES)}
 
 
-def _conversation(om) -> tuple[torch.Tensor, list[int]]:
-    """Logits [steps, V] and greedy tokens of two turns (the second reusing the first's cache after a crop)."""
-    eng, outs, toks = Engine(om), [], []
-    ids = list(GREEDY_PROMPT)
-    for _ in range(2):
-        logits = eng.prefill(ids)
-        for _ in range(5):
-            outs.append(logits)
-            toks.append(int(logits.argmax()))
-            logits = eng.forward([toks[-1]], "decode")
-        outs.append(logits)
-        ids = eng.cached_ids[: len(ids) + 2] + [7, 11, 13]
-    return torch.stack(outs), toks
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_equals_the_model_forward(folders, family):
     om = load_offloaded(folders[family], RuntimeConfig(predictor=Predictor.ROUTER, cache_experts=6))
     try:
-        fast, fast_toks = _conversation(om)
+        fast, fast_toks = two_turn_conversation(om)
         assert om.step.calls == 10  # every decode step
         om.step.reference = True
-        ref, ref_toks = _conversation(om)
+        ref, ref_toks = two_turn_conversation(om)
         assert om.step.calls == 10
     finally:
         om.close()

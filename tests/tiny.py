@@ -170,6 +170,24 @@ def engine_steps(om, ids: list[int], decode: int) -> tuple[torch.Tensor, list[in
     return torch.cat([o.reshape(-1, o.shape[-1])[-1:] for o in outs]), toks
 
 
+def two_turn_conversation(om) -> tuple[torch.Tensor, list[int]]:
+    """Logits [steps, V] and greedy tokens of two turns on ``om``: the second reuses the first's
+    cache, cropped back to a shorter prefix and re-prefilled (5 decode steps a turn)."""
+    from moespec.runtime.engine import Engine
+
+    eng, outs, toks = Engine(om), [], []
+    ids = list(GREEDY_PROMPT)
+    for _ in range(2):
+        logits = eng.prefill(ids)
+        for _ in range(5):
+            outs.append(logits)
+            toks.append(int(logits.argmax()))
+            logits = eng.forward([toks[-1]], "decode")
+        outs.append(logits)
+        ids = eng.cached_ids[: len(ids) + 2] + [7, 11, 13]  # keeps a prefix: a crop, then a prefill
+    return torch.stack(outs), toks
+
+
 def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
     """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
 
