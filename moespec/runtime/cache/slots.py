@@ -47,14 +47,15 @@ from moespec.runtime.cache.ahead_slot import AheadSlots
 from moespec.runtime.cache.eviction import EvictionRule
 from moespec.runtime.cache.prefetch_end import PrefetchEnds
 from moespec.runtime.cache.slot import Acquired, Key, Slot, SlotState
+from moespec.runtime.cache.slot_queries import SlotQueries
 from moespec.runtime.host.store import ExpertStore
-from moespec.runtime.transfer.base import Span, Ticket, TransferEngine
+from moespec.runtime.transfer.base import Span, TransferEngine
 
 EMPTY, CACHED, PREDICTED, UNUSED, RESTORED = (SlotState.EMPTY, SlotState.CACHED, SlotState.PREDICTED,
                                               SlotState.UNUSED, SlotState.RESTORED)
 
 
-class ExpertCache(PrefetchEnds, AheadSlots):
+class ExpertCache(SlotQueries, PrefetchEnds, AheadSlots):
     """Device-side expert slots over an ExpertStore (the prefetch rule: module docstring).
 
     Args:
@@ -99,63 +100,6 @@ class ExpertCache(PrefetchEnds, AheadSlots):
     def policy(self) -> CachePolicy:
         """The eviction rule's policy."""
         return self.rule.policy
-
-    # --- queries -------------------------------------------------------------------------
-    def resident(self, key: Key) -> bool:
-        """True when ``key`` is in a slot (its copy may still be in flight)."""
-        return key in self._where
-
-    def resident_keys(self) -> list[Key]:
-        """Keys currently held in slots."""
-        return list(self._where)
-
-    def resident_experts(self, layer: int) -> set[int]:
-        """Expert ids of ``layer`` currently held in slots."""
-        return self._by_layer.get(layer, set())
-
-    def resident_first(self, layer: int, experts: list[int]) -> list[int]:
-        """``experts`` of ``layer``, resident ones first, each group in the given order (a layer pins its
-        hits before its misses, a prediction its resident experts): no copy evicts what it needs."""
-        resident = self.resident_experts(layer)
-        return [e for e in experts if e in resident] + [e for e in experts if e not in resident]
-
-    def key_of(self, slot: int) -> Key | None:
-        """The key held in ``slot``."""
-        return self._slot[slot].key
-
-    def state(self, slot: int) -> SlotState:
-        """What ``slot``'s bytes are."""
-        return self._slot[slot].state
-
-    def pinned(self, slot: int) -> bool:
-        """True while ``slot`` is pinned (in use by the running layer or held by a prefetch)."""
-        return self._slot[slot].pins > 0
-
-    def ticket(self, slot: int) -> Ticket | None:
-        """The copy into ``slot`` that compute has not waited for (None: none)."""
-        return self._slot[slot].ticket
-
-    def in_flight(self, slot: int) -> bool:
-        """True while a copy into ``slot`` may still be writing it (never blocks)."""
-        ticket = self._slot[slot].ticket
-        return ticket is not None and not self.engine.landed(ticket)
-
-    def unused_prediction(self, slot: int) -> bool:
-        """True when ``slot`` holds a prefetched expert that no compute has used (reused first)."""
-        return self._slot[slot].predicted
-
-    def evictable(self) -> int:
-        """Number of slots that a new copy could take now."""
-        return len(self._lru) - len(self._protected)
-
-    def copy_bytes(self, layer: int) -> int:
-        """Bytes one copy of a layer-``layer`` expert moves: less than a slot where a GGUF file's
-        layers mix quant types (ExpertStore.copy_bytes)."""
-        return self.store.copy_bytes(layer)
-
-    def row(self, slot: int) -> torch.Tensor:
-        """The packed expert [P] held in ``slot`` (read it through ``store.layout``)."""
-        return self.slots[slot]
 
     # --- pinning -------------------------------------------------------------------------
     def _pin(self, slot: int) -> None:
