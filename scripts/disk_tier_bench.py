@@ -253,12 +253,11 @@ def accelerate_arm(folder: Path, offload: Path, tokens: int, prompt_len: int) ->
 
 
 def _read_bytes() -> int:
-    """Bytes this process has read from the block device so far (/proc/self/io read_bytes: page
-    cache misses and O_DIRECT reads, not page cache hits)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
+    """Bytes this process has read from the block device so far (page_cache.read_bytes: page cache
+    misses and O_DIRECT reads, not page cache hits); 0 where the kernel does not count them."""
+    from moespec.runtime.host.page_cache import read_bytes
+
+    return read_bytes() or 0
 
 
 def _slot_memory(nbytes: int):
