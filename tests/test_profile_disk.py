@@ -7,13 +7,12 @@ count was read from disk, and the answers stay exact (top-1 agreement 1, KL 0).
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
-from typer.testing import CliRunner
 
-from moespec.cli.app import app
+from tiny import profile_on_disk
+
 from moespec.profile.schema import validate
 
 
@@ -21,13 +20,7 @@ from moespec.profile.schema import validate
 def profiled(tiny_models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("m") / "m"
     shutil.copytree(tiny_models["qwen3_moe"], folder)  # 3 MoE layers x 8 float32 experts of 6 KiB, top-2
-    out = tmp_path_factory.mktemp("out")
-    res = CliRunner().invoke(app, ["profile", str(folder), "--device", "cpu", "--threads", "1",
-                                   "--host-memory", "40KiB", "--strategies", "none,router", "--prompt-len", "8",
-                                   "--gen", "4", "--repeats", "1", "--warmup", "1", "--out", str(out / "r.json"),
-                                   "--trace", str(out / "t.json")], env={"COLUMNS": "200"})
-    assert res.exit_code == 0, res.output
-    return json.loads((out / "r.json").read_text()), json.loads((out / "t.json").read_text()), res.output
+    return profile_on_disk(folder, tmp_path_factory.mktemp("out"), "none,router", repeats=1, columns=200)
 
 
 def test_the_report_names_the_disk_as_the_link_and_the_ram_tier_as_the_cache(profiled):

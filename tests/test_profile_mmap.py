@@ -8,12 +8,13 @@ how rows were read, disk bytes per token and disk GB/s. Without a disk tier it i
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 from typer.testing import CliRunner
+
+from tiny import profile_on_disk
 
 from moespec.cli.app import app
 from moespec.config import Predictor
@@ -35,16 +36,7 @@ def profiled(folder, tmp_path_factory):
     # module-scoped, so conftest's per-test home does not apply yet: the store file goes to a temp home
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOESPEC_HOME", str(tmp_path_factory.mktemp("home")))
-        return _profile(folder, out)
-
-
-def _profile(folder, out):
-    res = CliRunner().invoke(app, ["profile", str(folder), "--device", "cpu", "--threads", "1",
-                                   "--host-memory", "40KiB", "--strategies", "none,router,mmap", "--prompt-len", "8",
-                                   "--gen", "4", "--repeats", "2", "--warmup", "1", "--out", str(out / "r.json"),
-                                   "--trace", str(out / "t.json")], env={"COLUMNS": "80"})
-    assert res.exit_code == 0, res.output
-    return json.loads((out / "r.json").read_text()), json.loads((out / "t.json").read_text()), res.output
+        return profile_on_disk(folder, out, "none,router,mmap", repeats=2)
 
 
 def test_mmap_gives_the_same_greedy_tokens_as_the_other_strategies(profiled):

@@ -188,6 +188,24 @@ def two_turn_conversation(om) -> tuple[torch.Tensor, list[int]]:
     return torch.stack(outs), toks
 
 
+def profile_on_disk(folder: Path, out: Path, strategies: str, repeats: int, columns: int = 80):
+    """`moespec profile` of ``folder`` on the disk tier (a 40 KiB RAM tier), 8 prompt tokens and 4
+    decode steps: (report dict, trace dict, printed output); asserts it exits 0."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moespec.cli.app import app
+
+    res = CliRunner().invoke(app, ["profile", str(folder), "--device", "cpu", "--threads", "1",
+                                   "--host-memory", "40KiB", "--strategies", strategies, "--prompt-len", "8",
+                                   "--gen", "4", "--repeats", str(repeats), "--warmup", "1",
+                                   "--out", str(out / "r.json"), "--trace", str(out / "t.json")],
+                             env={"COLUMNS": str(columns)})
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "r.json").read_text()), json.loads((out / "t.json").read_text()), res.output
+
+
 def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
     """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
 
