@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "copy_share_grid.py"
-
+from tiny import load_script
 
 @pytest.fixture(scope="module")
 def grid():
-    spec = importlib.util.spec_from_file_location("copy_share_grid", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("copy_share_grid")
 
 
 def _report(share, slots, policy, tpot, mb):

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "disk_hold_table.py"
-
+from tiny import load_script
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("disk_hold_table", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("disk_hold_table")
 
 
 def _row(arm, **kw):

@@ -206,6 +206,17 @@ def profile_on_disk(folder: Path, out: Path, strategies: str, repeats: int, colu
     return json.loads((out / "r.json").read_text()), json.loads((out / "t.json").read_text()), res.output
 
 
+def load_script(name: str):
+    """The module of ``scripts/<name>.py`` (scripts are not a package), for tests of its functions."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def make_mxfp4_checkpoint(folder: Path, seed: int = 0, **cfg) -> Path:
     """A tiny GPT-OSS checkpoint whose experts are stored as MXFP4 blocks + scales (as on the Hub).
 
